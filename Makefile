@@ -1,0 +1,53 @@
+# Unicron: `make demo` runs the whole system on this machine; `make test` checks it.
+# Both install what they need: a virtual environment with pinned packages, the generated
+# gRPC code, and redis-server from the system's packages when missing.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+GEN_STAMP := unicron/v1/.generated
+PROTOS := $(wildcard proto/unicron/v1/*.proto)
+
+.PHONY: all venv gen redis demo test test-unit lint fmt clean
+
+all: test
+
+$(STAMP): requirements.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
+	$(PY) -m pip check
+	touch $@
+
+venv: $(STAMP)
+
+$(GEN_STAMP): $(STAMP) $(PROTOS) scripts/gen_protos.py
+	$(PY) scripts/gen_protos.py
+	touch $@
+
+gen: $(GEN_STAMP)
+
+redis:
+	@scripts/ensure-redis.sh
+
+demo: gen redis
+	$(PY) -m unicron.demo
+
+test: gen redis
+	$(PY) -m ruff check .
+	$(PY) -m mypy
+	$(PY) -m pytest -q -ra
+
+test-unit: gen
+	$(PY) -m pytest -q -m "not integration and not e2e"
+
+lint: gen
+	$(PY) -m ruff check .
+	$(PY) -m mypy
+
+fmt: $(STAMP)
+	$(PY) -m ruff check --fix .
+
+clean:
+	rm -rf $(VENV) unicron/v1 run .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""The four Unicron services, each runnable as `python -m services.<name>`."""

@@ -1,0 +1,1 @@
+"""One per node: supervises trainer processes, detects failures, talks to the coordinator."""

@@ -1,0 +1,113 @@
+"""Trainer processes of one node. A thread blocks in wait() on each child, so the agent
+learns of an exit the moment it happens rather than on a polling interval."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+STDERR_TAIL_BYTES = 4096
+
+
+@dataclass(frozen=True)
+class WorkerKey:
+    job_id: str
+    generation: int
+    rank: int
+
+
+@dataclass(frozen=True)
+class WorkerExit:
+    key: WorkerKey
+    exit_code: int
+    signal: int
+    stderr_tail: str
+    stopped_by_agent: bool
+
+
+class Supervisor:
+    def __init__(self, work_dir: Path, on_exit: Callable[[WorkerExit], None]) -> None:
+        self._work_dir = work_dir
+        self._on_exit = on_exit
+        self._lock = threading.Lock()
+        self._procs: dict[WorkerKey, subprocess.Popen[bytes]] = {}
+        self._stopping: set[WorkerKey] = set()
+
+    def launch(self, key: WorkerKey, argv: Sequence[str], env: Mapping[str, str]) -> int:
+        log_dir = self._work_dir / key.job_id
+        log_dir.mkdir(parents=True, exist_ok=True)
+        stem = log_dir / f"gen{key.generation}-rank{key.rank}"
+        with open(f"{stem}.out", "ab") as out, open(f"{stem}.err", "ab") as err:
+            proc = subprocess.Popen(
+                list(argv),
+                env=dict(env),
+                stdout=out,
+                stderr=err,
+                stdin=subprocess.DEVNULL,
+                # Own session: a stop signals the trainer's whole process tree, and a Ctrl-C
+                # at the agent's terminal does not reach trainers behind the agent's back.
+                start_new_session=True,
+            )
+        with self._lock:
+            self._procs[key] = proc
+        threading.Thread(
+            target=self._wait, args=(key, proc, Path(f"{stem}.err")), name=f"wait-{key.rank}", daemon=True
+        ).start()
+        log.info(
+            "trainer started",
+            extra={"job_id": key.job_id, "rank": key.rank, "pid": proc.pid, "generation": key.generation},
+        )
+        return proc.pid
+
+    def _wait(self, key: WorkerKey, proc: subprocess.Popen[bytes], err_path: Path) -> None:
+        code = proc.wait()
+        with self._lock:
+            self._procs.pop(key, None)
+            stopped = key in self._stopping
+            self._stopping.discard(key)
+        tail = ""
+        if code != 0:
+            try:
+                with open(err_path, "rb") as err:
+                    err.seek(max(0, err_path.stat().st_size - STDERR_TAIL_BYTES))
+                    tail = err.read().decode(errors="replace")
+            except OSError:
+                pass
+        exit_code, sig = (0, -code) if code < 0 else (code, 0)
+        log.info(
+            "trainer exited", extra={"job_id": key.job_id, "rank": key.rank, "exit_code": exit_code, "signal": sig}
+        )
+        self._on_exit(WorkerExit(key, exit_code, sig, tail, stopped))
+
+    def running(self, job_id: str | None = None) -> list[WorkerKey]:
+        with self._lock:
+            return [k for k in self._procs if job_id is None or k.job_id == job_id]
+
+    def stop(self, job_id: str | None = None, grace_s: float = 5.0) -> None:
+        """SIGTERM the job's trainers (all when job_id is None), SIGKILL after grace_s."""
+        with self._lock:
+            targets = {k: p for k, p in self._procs.items() if job_id is None or k.job_id == job_id}
+            self._stopping.update(targets)
+        for proc in targets.values():
+            _signal_group(proc, signal.SIGTERM)
+        for key, proc in targets.items():
+            try:
+                proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                log.warning("trainer ignored SIGTERM, killing", extra={"job_id": key.job_id, "rank": key.rank})
+                _signal_group(proc, signal.SIGKILL)
+
+
+def _signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

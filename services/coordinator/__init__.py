@@ -1,0 +1,1 @@
+"""Control plane: job API, node registry, reconcile loop; state in Redis."""

@@ -1,0 +1,102 @@
+"""Thin gRPC servicers over the Coordinator: validate, convert, one call, convert back."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+
+from services.coordinator.coordinator import Coordinator
+from unicron.errors import InvalidArgument
+from unicron.rpc import grpc_errors
+from unicron.v1 import job_service_pb2 as jobs_pb
+from unicron.v1 import job_service_pb2_grpc, node_service_pb2_grpc
+from unicron.v1 import node_service_pb2 as nodes_pb
+
+
+class JobServicer(job_service_pb2_grpc.JobServiceServicer):
+    def __init__(self, coordinator: Coordinator) -> None:
+        self._coordinator = coordinator
+
+    @grpc_errors
+    def SubmitJob(self, request: jobs_pb.SubmitJobRequest, context: grpc.ServicerContext) -> jobs_pb.SubmitJobResponse:
+        if not request.HasField("spec"):
+            raise InvalidArgument("spec", "is required")
+        return jobs_pb.SubmitJobResponse(job=self._coordinator.submit(request.spec))
+
+    @grpc_errors
+    def GetJob(self, request: jobs_pb.GetJobRequest, context: grpc.ServicerContext) -> jobs_pb.GetJobResponse:
+        return jobs_pb.GetJobResponse(job=self._coordinator.get(request.job_id))
+
+    @grpc_errors
+    def ListJobs(self, request: jobs_pb.ListJobsRequest, context: grpc.ServicerContext) -> jobs_pb.ListJobsResponse:
+        return jobs_pb.ListJobsResponse(jobs=self._coordinator.list_jobs(set(request.states)))
+
+    @grpc_errors
+    def CancelJob(self, request: jobs_pb.CancelJobRequest, context: grpc.ServicerContext) -> jobs_pb.CancelJobResponse:
+        return jobs_pb.CancelJobResponse(job=self._coordinator.cancel(request.job_id, request.reason))
+
+    @grpc_errors
+    def WatchJob(
+        self, request: jobs_pb.WatchJobRequest, context: grpc.ServicerContext
+    ) -> Iterator[jobs_pb.WatchJobResponse]:
+        for event in self._coordinator.watch(request.job_id, request.after_event_id, context.is_active):
+            yield jobs_pb.WatchJobResponse(event=event)
+
+    @grpc_errors
+    def ListNodes(self, request: jobs_pb.ListNodesRequest, context: grpc.ServicerContext) -> jobs_pb.ListNodesResponse:
+        return jobs_pb.ListNodesResponse(nodes=self._coordinator.nodes())
+
+
+class NodeServicer(node_service_pb2_grpc.NodeServiceServicer):
+    def __init__(self, coordinator: Coordinator) -> None:
+        self._coordinator = coordinator
+
+    @grpc_errors
+    def RegisterNode(
+        self, request: nodes_pb.RegisterNodeRequest, context: grpc.ServicerContext
+    ) -> nodes_pb.RegisterNodeResponse:
+        node, last_command = self._coordinator.register_node(
+            request.node_id, request.address, request.slots, request.failure_domain
+        )
+        return nodes_pb.RegisterNodeResponse(
+            node=node,
+            heartbeat_interval_seconds=self._coordinator.settings.heartbeat_interval_s,
+            last_command_id=last_command,
+        )
+
+    @grpc_errors
+    def Heartbeat(
+        self, request: nodes_pb.HeartbeatRequest, context: grpc.ServicerContext
+    ) -> nodes_pb.HeartbeatResponse:
+        return nodes_pb.HeartbeatResponse(known=self._coordinator.heartbeat(request.node_id))
+
+    @grpc_errors
+    def ReportProgress(
+        self, request: nodes_pb.ReportProgressRequest, context: grpc.ServicerContext
+    ) -> nodes_pb.ReportProgressResponse:
+        self._coordinator.report_progress(list(request.reports))
+        return nodes_pb.ReportProgressResponse()
+
+    @grpc_errors
+    def ReportFailure(
+        self, request: nodes_pb.ReportFailureRequest, context: grpc.ServicerContext
+    ) -> nodes_pb.ReportFailureResponse:
+        self._coordinator.report_failure(request)
+        return nodes_pb.ReportFailureResponse()
+
+    @grpc_errors
+    def ReportWorkerExit(
+        self, request: nodes_pb.ReportWorkerExitRequest, context: grpc.ServicerContext
+    ) -> nodes_pb.ReportWorkerExitResponse:
+        self._coordinator.report_worker_exit(request)
+        return nodes_pb.ReportWorkerExitResponse()
+
+    @grpc_errors
+    def StreamCommands(
+        self, request: nodes_pb.StreamCommandsRequest, context: grpc.ServicerContext
+    ) -> Iterator[nodes_pb.StreamCommandsResponse]:
+        if not request.node_id:
+            raise InvalidArgument("node_id", "is required")
+        for command in self._coordinator.commands(request.node_id, request.after_command_id, context.is_active):
+            yield nodes_pb.StreamCommandsResponse(command=command)

@@ -1,0 +1,299 @@
+"""The coordinator's state in Redis: jobs, nodes, per-job event logs and per-node command
+logs (Redis Streams). Every job write is a compare-and-set on the job's version, and a
+write's events and commands commit in the same MULTI as the state they follow from, so a
+crash between them is impossible and two coordinators can never both act."""
+
+from __future__ import annotations
+
+import functools
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import redis
+
+from unicron.errors import AlreadyExists, Conflict, NotFound, Unavailable
+from unicron.v1 import common_pb2, node_service_pb2
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+PREFIX = "unicron:"
+JOBS_INDEX = PREFIX + "jobs"
+NODES_INDEX = PREFIX + "nodes"
+CAS_ATTEMPTS = 20
+EVENT_FIELD = b"e"
+
+
+def _job_key(job_id: str) -> str:
+    return f"{PREFIX}job:{job_id}"
+
+
+def _name_key(name: str) -> str:
+    return f"{PREFIX}jobname:{name}"
+
+
+def _progress_key(job_id: str) -> str:
+    return f"{PREFIX}job:{job_id}:progress"
+
+
+def _exits_key(job_id: str) -> str:
+    return f"{PREFIX}job:{job_id}:exits"
+
+
+def _events_key(job_id: str) -> str:
+    return f"{PREFIX}job:{job_id}:events"
+
+
+def _node_key(node_id: str) -> str:
+    return f"{PREFIX}node:{node_id}"
+
+
+def _heartbeat_key(node_id: str) -> str:
+    return f"{PREFIX}node:{node_id}:heartbeat"
+
+
+def _commands_key(node_id: str) -> str:
+    return f"{PREFIX}node:{node_id}:commands"
+
+
+def redis_errors(method: F) -> F:
+    """Redis outages surface as Unavailable, which callers map to UNAVAILABLE."""
+
+    @functools.wraps(method)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(*args, **kwargs)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            raise Unavailable(f"state store unreachable: {exc}") from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+@dataclass
+class JobWrite:
+    """What one compare-and-set job update writes besides the job itself."""
+
+    events: list[common_pb2.JobEvent] = field(default_factory=list)
+    commands: list[tuple[str, node_service_pb2.NodeCommand]] = field(default_factory=list)
+
+
+class Store:
+    def __init__(self, client: redis.Redis) -> None:
+        # Any: redis-py types every sync reply as `Awaitable | Any`, which helps no one here.
+        self._redis: Any = client
+
+    # ---- jobs -------------------------------------------------------------------------
+
+    @redis_errors
+    def create_job(self, job: common_pb2.Job, event: common_pb2.JobEvent) -> common_pb2.Job:
+        """Stores a new job; ALREADY_EXISTS if its name is taken. Atomic: name, job, index
+        and first event are written together or not at all."""
+        name_key = _name_key(job.spec.name)
+        with self._redis.pipeline() as pipe:
+            try:
+                pipe.watch(name_key)
+                existing = pipe.get(name_key)
+                if existing is not None:
+                    raise AlreadyExists(f"a job named {job.spec.name!r} already exists ({existing.decode()})")
+                job.version = 1
+                pipe.multi()
+                pipe.set(name_key, job.job_id)
+                pipe.set(_job_key(job.job_id), job.SerializeToString())
+                pipe.zadd(JOBS_INDEX, {job.job_id: job.created.ToNanoseconds()})
+                pipe.xadd(_events_key(job.job_id), {EVENT_FIELD: event.SerializeToString()})
+                pipe.execute()
+            except redis.WatchError:
+                raise AlreadyExists(f"a job named {job.spec.name!r} was submitted concurrently") from None
+        return job
+
+    @redis_errors
+    def get_job(self, job_id: str) -> common_pb2.Job:
+        raw = self._redis.get(_job_key(job_id))
+        if raw is None:
+            by_name = self._redis.get(_name_key(job_id))
+            raw = self._redis.get(_job_key(by_name.decode())) if by_name else None
+        if raw is None:
+            raise NotFound(f"no job with id or name {job_id!r}")
+        job = common_pb2.Job.FromString(raw)
+        progress = self._redis.get(_progress_key(job.job_id))
+        if progress is not None:
+            job.progress.ParseFromString(progress)
+        return job
+
+    @redis_errors
+    def list_jobs(self) -> list[common_pb2.Job]:
+        ids = [raw.decode() for raw in self._redis.zrevrange(JOBS_INDEX, 0, -1)]
+        if not ids:
+            return []
+        raws = self._redis.mget([_job_key(i) for i in ids])
+        progresses = self._redis.mget([_progress_key(i) for i in ids])
+        jobs = []
+        for raw, progress in zip(raws, progresses, strict=True):
+            if raw is None:
+                continue
+            job = common_pb2.Job.FromString(raw)
+            if progress is not None:
+                job.progress.ParseFromString(progress)
+            jobs.append(job)
+        return jobs
+
+    @redis_errors
+    def update_job(
+        self,
+        job_id: str,
+        mutate: Callable[[common_pb2.Job], JobWrite | None],
+    ) -> common_pb2.Job:
+        """Compare-and-set: re-reads the job, applies mutate, writes it with version + 1
+        unless another writer got there first, then retries. mutate returning None means
+        'nothing to write'; exceptions it raises propagate and nothing is written."""
+        key = _job_key(job_id)
+        for _ in range(CAS_ATTEMPTS):
+            with self._redis.pipeline() as pipe:
+                try:
+                    pipe.watch(key)
+                    raw = pipe.get(key)
+                    if raw is None:
+                        raise NotFound(f"no job with id {job_id!r}")
+                    job = common_pb2.Job.FromString(raw)
+                    write = mutate(job)
+                    if write is None:
+                        return job
+                    job.version += 1
+                    pipe.multi()
+                    pipe.set(key, job.SerializeToString())
+                    for event in write.events:
+                        pipe.xadd(_events_key(job_id), {EVENT_FIELD: event.SerializeToString()})
+                    for node_id, command in write.commands:
+                        pipe.xadd(_commands_key(node_id), {EVENT_FIELD: command.SerializeToString()})
+                    pipe.execute()
+                    return job
+                except redis.WatchError:
+                    continue
+        raise Conflict(f"job {job_id}: too many concurrent updates")
+
+    @redis_errors
+    def set_progress(self, job_id: str, progress: common_pb2.JobProgress, event: common_pb2.JobEvent) -> None:
+        # Progress lives beside the job, not in it: it changes every iteration and must not
+        # make state-changing writers lose their compare-and-set race.
+        with self._redis.pipeline(transaction=True) as pipe:
+            pipe.set(_progress_key(job_id), progress.SerializeToString())
+            pipe.xadd(_events_key(job_id), {EVENT_FIELD: event.SerializeToString()})
+            pipe.execute()
+
+    @redis_errors
+    def append_event(self, job_id: str, event: common_pb2.JobEvent) -> None:
+        self._redis.xadd(_events_key(job_id), {EVENT_FIELD: event.SerializeToString()})
+
+    @redis_errors
+    def record_exit(self, job_id: str, generation: int, rank: int, exit_code: int) -> dict[int, int]:
+        """Records a rank's exit code for a generation; returns all exits of that generation."""
+        key = f"{_exits_key(job_id)}:{generation}"
+        with self._redis.pipeline(transaction=True) as pipe:
+            pipe.hset(key, str(rank), str(exit_code))
+            pipe.hgetall(key)
+            _, exits = pipe.execute()
+        return {int(r): int(c) for r, c in exits.items()}
+
+    def last_event_id(self, job_id: str) -> str:
+        return self._last_id(_events_key(job_id))
+
+    def read_events(self, job_id: str, after_id: str, block_ms: int) -> list[tuple[str, common_pb2.JobEvent]]:
+        return [
+            (event_id, common_pb2.JobEvent.FromString(payload))
+            for event_id, payload in self._read_stream(_events_key(job_id), after_id, block_ms)
+        ]
+
+    # ---- nodes ------------------------------------------------------------------------
+
+    @redis_errors
+    def put_node(self, node: common_pb2.Node, now: float) -> str:
+        """Stores a node and its heartbeat; returns the end of its command log."""
+        with self._redis.pipeline(transaction=True) as pipe:
+            pipe.set(_node_key(node.node_id), node.SerializeToString())
+            pipe.sadd(NODES_INDEX, node.node_id)
+            pipe.set(_heartbeat_key(node.node_id), repr(now))
+            pipe.execute()
+        return self.last_command_id(node.node_id)
+
+    @redis_errors
+    def get_node(self, node_id: str) -> common_pb2.Node | None:
+        raw = self._redis.get(_node_key(node_id))
+        return common_pb2.Node.FromString(raw) if raw is not None else None
+
+    @redis_errors
+    def list_nodes(self) -> list[common_pb2.Node]:
+        ids = sorted(raw.decode() for raw in self._redis.smembers(NODES_INDEX))
+        if not ids:
+            return []
+        raws = self._redis.mget([_node_key(i) for i in ids])
+        beats = self._redis.mget([_heartbeat_key(i) for i in ids])
+        nodes = []
+        for raw, beat in zip(raws, beats, strict=True):
+            if raw is None:
+                continue
+            node = common_pb2.Node.FromString(raw)
+            if beat is not None:
+                node.last_heartbeat.FromNanoseconds(int(float(beat) * 1e9))
+            nodes.append(node)
+        return nodes
+
+    @redis_errors
+    def heartbeat(self, node_id: str, now: float) -> bool:
+        """Records a heartbeat; False when the node is unknown (it must register again)."""
+        if not self._redis.sismember(NODES_INDEX, node_id):
+            return False
+        self._redis.set(_heartbeat_key(node_id), repr(now))
+        return True
+
+    @redis_errors
+    def set_node_state(self, node_id: str, state: int, expected: int) -> bool:
+        """Compare-and-set of a node's state; False if it was not `expected` any more."""
+        key = _node_key(node_id)
+        with self._redis.pipeline() as pipe:
+            try:
+                pipe.watch(key)
+                raw = pipe.get(key)
+                if raw is None:
+                    return False
+                node = common_pb2.Node.FromString(raw)
+                if node.state != expected:
+                    return False
+                node.state = state  # type: ignore[assignment]
+                pipe.multi()
+                pipe.set(key, node.SerializeToString())
+                pipe.execute()
+                return True
+            except redis.WatchError:
+                return False
+
+    def last_command_id(self, node_id: str) -> str:
+        return self._last_id(_commands_key(node_id))
+
+    def read_commands(
+        self, node_id: str, after_id: str, block_ms: int
+    ) -> list[tuple[str, node_service_pb2.NodeCommand]]:
+        out = []
+        for command_id, payload in self._read_stream(_commands_key(node_id), after_id, block_ms):
+            command = node_service_pb2.NodeCommand.FromString(payload)
+            command.command_id = command_id
+            out.append((command_id, command))
+        return out
+
+    # ---- helpers ----------------------------------------------------------------------
+
+    @redis_errors
+    def _last_id(self, stream: str) -> str:
+        last = self._redis.xrevrange(stream, count=1)
+        return last[0][0].decode() if last else "0-0"
+
+    @redis_errors
+    def _read_stream(self, key: str, after_id: str, block_ms: int) -> Iterator[tuple[str, bytes]]:
+        reply = self._redis.xread({key: after_id}, block=block_ms, count=100)
+        entries: Sequence[tuple[bytes, dict[bytes, bytes]]] = reply[0][1] if reply else []
+        return iter([(entry_id.decode(), fields[EVENT_FIELD]) for entry_id, fields in entries])
+
+
+def new_job_id() -> str:
+    return f"job-{time.strftime('%Y%m%d')}-{uuid.uuid4().hex[:8]}"

@@ -1,0 +1,1 @@
+"""Trainer service: Megatron-Core GPT training core."""

@@ -1,0 +1,66 @@
+"""The trainer's side of the agent protocol: one bidirectional stream to the node's agent."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Iterator
+
+import grpc
+
+from unicron import rpc
+from unicron.v1 import trainer_service_pb2 as pb
+from unicron.v1 import trainer_service_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+_CLOSE = object()
+
+
+class AgentLink:
+    def __init__(self, address: str, hello: pb.TrainerHello, on_stop: Callable[[str], None]) -> None:
+        self._stub = trainer_service_pb2_grpc.TrainerAgentServiceStub(rpc.channel(address))
+        self._hello = hello
+        self._on_stop = on_stop
+        self._outbox: queue.Queue[object] = queue.Queue()
+        self._welcomed = threading.Event()
+        self._reader: threading.Thread | None = None
+
+    def open(self, timeout_s: float = 30.0) -> None:
+        self._outbox.put(pb.ConnectRequest(hello=self._hello))
+        responses = self._stub.Connect(self._messages())
+        self._reader = threading.Thread(target=self._read, args=(responses,), daemon=True, name="agent-link")
+        self._reader.start()
+        if not self._welcomed.wait(timeout_s):
+            raise ConnectionError(f"the agent did not answer within {timeout_s}s")
+
+    def _messages(self) -> Iterator[pb.ConnectRequest]:
+        while True:
+            item = self._outbox.get()
+            if item is _CLOSE:
+                return
+            assert isinstance(item, pb.ConnectRequest)
+            yield item
+
+    def _read(self, responses: Iterator[pb.ConnectResponse]) -> None:
+        try:
+            for response in responses:
+                kind = response.WhichOneof("message")
+                if kind == "welcome":
+                    self._welcomed.set()
+                elif kind == "stop":
+                    log.info("agent asked to stop", extra={"reason": response.stop.reason})
+                    self._on_stop(response.stop.reason)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.CANCELLED:
+                log.warning("agent stream closed", extra={"code": exc.code().name})
+
+    def send(self, message: pb.ConnectRequest) -> None:
+        self._outbox.put(message)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Ends the stream after the queued messages are sent."""
+        self._outbox.put(_CLOSE)
+        if self._reader:
+            self._reader.join(timeout_s)

@@ -1,0 +1,113 @@
+"""The demo path with real processes: Redis, coordinator, two planners, two agents and
+Megatron-Core trainers on gloo, driven through the CLI as a user would."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+from unicron.client import UnicronClient
+from unicron.localcluster import ROOT, LocalCluster
+from unicron.v1 import common_pb2
+
+pytestmark = pytest.mark.e2e
+
+SPEC = {
+    "name": "e2e-gpt",
+    "model": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 32, "vocab_size": 128},
+    "parallelism": {"data": 4},
+    "training": {"iterations": 12, "global_batch_size": 16, "micro_batch_size": 2, "learning_rate": 0.003, "seed": 7},
+}
+
+
+def unicron(cluster: LocalCluster, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "unicron.cli", "--coordinator", cluster.coordinator, *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=check,
+        cwd=ROOT,
+    )
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    run_dir = Path(tmp_path_factory.mktemp("e2e"))
+    local = LocalCluster(run_dir)
+    local.start()
+    with UnicronClient(local.coordinator) as client:
+        local.wait_nodes(client.nodes, 2)
+    yield local
+    services = [s.proc.pid for s in local.services]
+    local.stop()
+    assert not [pid for pid in services if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+
+
+def test_job_trains_across_both_agents_and_succeeds(cluster: LocalCluster, tmp_path: Path) -> None:
+    spec_file = tmp_path / "job.yaml"
+    spec_file.write_text(yaml.safe_dump(SPEC))
+    nodes = json.loads(unicron(cluster, "--json", "nodes").stdout)
+    assert sorted(n["node_id"] for n in nodes) == ["node-a", "node-b"]
+
+    watched = unicron(cluster, "submit", str(spec_file), "--watch")
+    assert "succeeded" in watched.stdout, watched.stdout + watched.stderr
+    losses = [float(line.split("loss ")[1].split()[0]) for line in watched.stdout.splitlines() if "iteration " in line]
+    assert len(losses) == SPEC["training"]["iterations"]  # type: ignore[index]
+    assert losses[-1] < losses[0] * 0.9, losses
+
+    job = json.loads(unicron(cluster, "--json", "get", "e2e-gpt").stdout)
+    assert job["state"] == "JOB_STATE_SUCCEEDED"
+    assert sorted(w["node_id"] for w in job["assignment"]["workers"]) == ["node-a", "node-b"]
+    assert int(job["progress"]["iteration"]) == 12
+    table = unicron(cluster, "jobs").stdout
+    assert "e2e-gpt" in table and "succeeded" in table
+
+
+def test_killed_trainer_is_detected_and_the_job_fails_with_the_signal(cluster: LocalCluster, tmp_path: Path) -> None:
+    spec = dict(SPEC, name="e2e-kill", training=dict(SPEC["training"], iterations=10_000))  # type: ignore[arg-type]
+    spec_file = tmp_path / "job.yaml"
+    spec_file.write_text(yaml.safe_dump(spec))
+    job_id = json.loads(unicron(cluster, "--json", "submit", str(spec_file)).stdout)["job_id"]
+    with UnicronClient(cluster.coordinator) as client:
+        deadline = time.monotonic() + 120
+        while client.get(job_id).state != common_pb2.JOB_STATE_RUNNING:
+            assert time.monotonic() < deadline, "job never started running"
+            time.sleep(0.5)
+        victims = [
+            p
+            for p in psutil.process_iter(["cmdline", "environ"])
+            if "services.trainer" in (p.info["cmdline"] or [])
+            and (p.info["environ"] or {}).get("UNICRON_TRAINER_JOB_ID") == job_id
+            and (p.info["environ"] or {}).get("UNICRON_TRAINER_RANK") == "1"
+        ]
+        assert len(victims) == 1
+        victims[0].send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        while client.get(job_id).state != common_pb2.JOB_STATE_FAILED:
+            assert time.monotonic() - killed_at < 30, "kill not detected"
+            time.sleep(0.1)
+        job = client.get(job_id)
+    assert "rank 1" in job.reason and "signal 9" in job.reason
+    # The other ranks were stopped: no trainer of this job is left.
+    deadline = time.monotonic() + 30
+    while any(
+        (p.info["environ"] or {}).get("UNICRON_TRAINER_JOB_ID") == job_id for p in psutil.process_iter(["environ"])
+    ):
+        assert time.monotonic() < deadline, "trainers of the failed job still running"
+        time.sleep(0.5)
+
+
+def test_cli_errors_are_one_line(cluster: LocalCluster) -> None:
+    missing = unicron(cluster, "get", "no-such-job", check=False)
+    assert missing.returncode == 2
+    assert missing.stderr == "unicron: no job with id or name 'no-such-job'\n"

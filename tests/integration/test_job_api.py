@@ -1,0 +1,202 @@
+"""The public job API against a real Redis: happy paths, and bad input that must get the
+right status code and leave Redis exactly as it was."""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+import pytest
+import redis
+
+from tests.integration.conftest import ControlPlane
+from unicron import jobspec
+from unicron.client import ClientError
+from unicron.v1 import common_pb2, job_service_pb2, job_service_pb2_grpc, node_service_pb2
+
+pytestmark = pytest.mark.integration
+
+
+def tiny_spec(name: str = "tiny", data: int = 2) -> common_pb2.JobSpec:
+    return jobspec.spec_from_dict(
+        {
+            "name": name,
+            "model": {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 16, "vocab_size": 64},
+            "parallelism": {"data": data},
+            "training": {"iterations": 3, "global_batch_size": 4},
+        }
+    )
+
+
+def register(plane: ControlPlane, node_id: str, slots: int = 2) -> node_service_pb2.RegisterNodeResponse:
+    return plane.node_stub().RegisterNode(
+        node_service_pb2.RegisterNodeRequest(node_id=node_id, address=f"127.0.0.1:{7000 + slots}", slots=slots),
+        timeout=5,
+    )
+
+
+def snapshot(client: redis.Redis) -> dict[bytes, bytes | None]:
+    """Every key with its serialized value: equal snapshots mean nothing was written."""
+    keys: list[bytes] = client.keys("*")  # type: ignore[assignment]
+    return {key: client.dump(key) for key in sorted(keys)}  # type: ignore[misc]
+
+
+def test_submit_get_list_cancel(control_plane: ControlPlane) -> None:
+    register(control_plane, "n1")
+    with control_plane.client() as client:
+        job = client.submit(tiny_spec())
+        assert job.state == common_pb2.JOB_STATE_PENDING
+        assert job.spec.parallelism.tensor == 1  # defaults filled in by the server
+        assert client.get(job.job_id).job_id == job.job_id
+        assert client.get("tiny").job_id == job.job_id  # by name too
+        assert [j.job_id for j in client.list_jobs()] == [job.job_id]
+        cancelled = client.cancel(job.job_id, "test")
+        assert cancelled.state == common_pb2.JOB_STATE_CANCELLED
+        assert [c.state for c in cancelled.history] == [common_pb2.JOB_STATE_PENDING, common_pb2.JOB_STATE_CANCELLED]
+        assert cancelled.version == 2
+
+
+BAD_SPECS = [
+    ({"name": "Bad Name"}, "spec.name"),
+    ({"name": ""}, "spec.name"),
+    ({"model": {"hidden_size": 30}}, "spec.model.hidden_size"),
+    ({"model": {"num_layers": 0}}, "spec.model.num_layers"),
+    ({"parallelism": {"data": 0}}, "spec.parallelism.data"),
+    ({"parallelism": {"data": 2, "min_data": 3, "max_data": 4}}, "spec.parallelism.data"),
+    ({"parallelism": {"tensor": 3}}, "spec.parallelism.tensor"),
+    ({"training": {"iterations": 0}}, "spec.training.iterations"),
+    ({"training": {"global_batch_size": 3}}, "spec.training.global_batch_size"),
+    ({"weight": -1.0}, "spec.weight"),
+]
+
+
+@pytest.mark.parametrize(("change", "field"), BAD_SPECS)
+def test_bad_spec_is_invalid_argument_and_writes_nothing(control_plane: ControlPlane, change: dict, field: str) -> None:
+    register(control_plane, "n1")
+    spec = tiny_spec()
+    for key, value in change.items():
+        if isinstance(value, dict):
+            for sub_key, sub_value in value.items():
+                setattr(getattr(spec, key), sub_key, sub_value)
+        else:
+            setattr(spec, key, value)
+    before = snapshot(control_plane.redis)
+    with control_plane.client() as client, pytest.raises(ClientError) as error:
+        client.submit(spec)
+    assert error.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert str(error.value).startswith(field)
+    assert snapshot(control_plane.redis) == before
+
+
+def test_missing_spec_is_invalid_argument(control_plane: ControlPlane) -> None:
+    stub = job_service_pb2_grpc.JobServiceStub(grpc.insecure_channel(control_plane.address))
+    with pytest.raises(grpc.RpcError) as error:
+        stub.SubmitJob(job_service_pb2.SubmitJobRequest(), timeout=5)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "spec" in (error.value.details() or "")
+
+
+def test_duplicate_name_is_already_exists(control_plane: ControlPlane) -> None:
+    register(control_plane, "n1")
+    with control_plane.client() as client:
+        client.submit(tiny_spec())
+        before = snapshot(control_plane.redis)
+        with pytest.raises(ClientError) as error:
+            client.submit(tiny_spec())
+    assert error.value.code == grpc.StatusCode.ALREADY_EXISTS
+    assert snapshot(control_plane.redis) == before
+
+
+def test_concurrent_duplicates_store_exactly_one(control_plane: ControlPlane) -> None:
+    register(control_plane, "n1")
+    outcomes: list[str] = []
+
+    def submit() -> None:
+        with control_plane.client() as client:
+            try:
+                client.submit(tiny_spec("raced"))
+                outcomes.append("ok")
+            except ClientError as exc:
+                outcomes.append(exc.code.name)
+
+    threads = [threading.Thread(target=submit) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert outcomes.count("ok") == 1
+    assert outcomes.count("ALREADY_EXISTS") == 5
+    with control_plane.client() as client:
+        assert len(client.list_jobs()) == 1
+
+
+def test_more_slots_than_exist_is_failed_precondition(control_plane: ControlPlane) -> None:
+    register(control_plane, "n1", slots=2)
+    before = snapshot(control_plane.redis)
+    with control_plane.client() as client, pytest.raises(ClientError) as error:
+        client.submit(tiny_spec(data=4))
+    assert error.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "4 slots" in str(error.value) and "has 2" in str(error.value)
+    assert snapshot(control_plane.redis) == before
+
+
+@pytest.mark.parametrize("call", ["get", "cancel"])
+def test_unknown_job_is_not_found(control_plane: ControlPlane, call: str) -> None:
+    before = snapshot(control_plane.redis)
+    with control_plane.client() as client, pytest.raises(ClientError) as error:
+        getattr(client, call)("job-nope")
+    assert error.value.code == grpc.StatusCode.NOT_FOUND
+    assert snapshot(control_plane.redis) == before
+
+
+def test_cancel_finished_job_is_failed_precondition(control_plane: ControlPlane) -> None:
+    register(control_plane, "n1")
+    with control_plane.client() as client:
+        job = client.submit(tiny_spec())
+        client.cancel(job.job_id)
+        before = snapshot(control_plane.redis)
+        with pytest.raises(ClientError) as error:
+            client.cancel(job.job_id)
+    assert error.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert snapshot(control_plane.redis) == before
+
+
+def test_empty_job_id_is_invalid_argument(control_plane: ControlPlane) -> None:
+    with control_plane.client() as client, pytest.raises(ClientError) as error:
+        client.get("")
+    assert error.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_redis_down_is_unavailable(control_plane: ControlPlane, redis_server) -> None:  # type: ignore[no-untyped-def]
+    redis_server.stop()
+    try:
+        with control_plane.client() as client, pytest.raises(ClientError) as error:
+            client.list_jobs()
+        assert error.value.code == grpc.StatusCode.UNAVAILABLE
+    finally:
+        redis_server.start()
+
+
+def test_watch_streams_snapshot_then_events_until_final(control_plane: ControlPlane) -> None:
+    register(control_plane, "n1")
+    with control_plane.client() as client:
+        job = client.submit(tiny_spec())
+        events = client.watch(job.job_id)
+        first = next(events)
+        assert first.type == common_pb2.JOB_EVENT_TYPE_SNAPSHOT
+        assert first.job.job_id == job.job_id
+        client.cancel(job.job_id, "stop watching")
+        rest = list(events)  # the stream ends by itself at the final state
+    assert rest[-1].type == common_pb2.JOB_EVENT_TYPE_STATE_CHANGED
+    assert rest[-1].state == common_pb2.JOB_STATE_CANCELLED
+    assert "stop watching" in rest[-1].message
+
+
+def test_watch_resumes_after_event_id(control_plane: ControlPlane) -> None:
+    register(control_plane, "n1")
+    with control_plane.client() as client:
+        job = client.submit(tiny_spec())
+        snapshot_event = next(client.watch(job.job_id))
+        client.cancel(job.job_id)
+        resumed = list(client.watch(job.job_id, after_event_id=snapshot_event.event_id))
+    assert [e.state for e in resumed] == [common_pb2.JOB_STATE_CANCELLED]

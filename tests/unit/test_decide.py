@@ -1,0 +1,61 @@
+from __future__ import annotations
+
+import pytest
+
+from services.coordinator import decide, state
+from unicron import jobspec
+from unicron.v1 import common_pb2
+
+
+def node(node_id: str, beat: float, node_state: int = common_pb2.NODE_STATE_READY, slots: int = 4) -> common_pb2.Node:
+    out = common_pb2.Node(node_id=node_id, address=f"10.0.0.{len(node_id)}:1", slots=slots, state=node_state)  # type: ignore[arg-type]
+    out.last_heartbeat.FromNanoseconds(int(beat * 1e9))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("beat", "node_state", "lost"),
+    [
+        (99.0, common_pb2.NODE_STATE_READY, False),  # 1 s ago
+        (97.0, common_pb2.NODE_STATE_READY, False),  # exactly the timeout: not yet
+        (96.9, common_pb2.NODE_STATE_READY, True),
+        (10.0, common_pb2.NODE_STATE_LOST, False),  # already lost: not lost again
+    ],
+)
+def test_lost_nodes(beat: float, node_state: int, lost: bool) -> None:
+    assert decide.lost_nodes(100.0, [node("n", beat, node_state)], timeout_s=3.0) == (["n"] if lost else [])
+
+
+def spec(tensor: int = 1, data: int = 2) -> common_pb2.JobSpec:
+    return jobspec.with_defaults(jobspec.spec_from_dict({"parallelism": {"tensor": tensor, "data": data}}))
+
+
+def test_assignment_keeps_tp_groups_contiguous_per_node() -> None:
+    nodes = {"a": node("a", 0), "bb": node("bb", 0)}
+    assignment = decide.assignment_for(spec(tensor=2, data=3), {"a": 2, "bb": 4}, nodes, generation=3)
+    assert [(w.node_id, list(w.ranks)) for w in assignment.workers] == [("bb", [0, 1, 2, 3]), ("a", [4, 5])]
+    assert assignment.world_size == 6 and assignment.data_parallel == 3 and assignment.generation == 3
+    assert assignment.master_addr == "10.0.0.2"
+
+
+def test_plan_request_pins_running_jobs_and_frees_pending_ones() -> None:
+    running = common_pb2.Job(job_id="r", spec=spec(), state=state.RUNNING)
+    running.assignment.workers.add(node_id="a", ranks=[0, 1])
+    pending = common_pb2.Job(job_id="p", spec=spec(), state=state.PENDING)
+    done = common_pb2.Job(job_id="d", spec=spec(), state=state.SUCCEEDED)
+    request = decide.plan_request(
+        [running, pending, done], [node("a", 0), node("b", 0, common_pb2.NODE_STATE_LOST)], 1e-6, 1.0
+    )
+    jobs = {j.job_id: j for j in request.jobs}
+    assert set(jobs) == {"r", "p"}
+    assert jobs["r"].pinned and dict(jobs["r"].current) == {"a": 2}
+    assert jobs["p"].preemptible and not jobs["p"].pinned and not jobs["p"].current
+    assert [n.healthy for n in request.nodes] == [True, False]
+
+
+def test_used_slots_counts_active_jobs_only() -> None:
+    active = common_pb2.Job(job_id="x", state=state.RUNNING)
+    active.assignment.workers.add(node_id="a", ranks=[0, 1])
+    ended = common_pb2.Job(job_id="y", state=state.FAILED)
+    ended.assignment.workers.add(node_id="a", ranks=[0])
+    assert decide.used_slots([active, ended]) == {"a": 2}

@@ -1,0 +1,263 @@
+"""`unicron`: submit and inspect jobs, list nodes. Tables for people, --json for scripts;
+errors are one line on stderr with a non-zero exit code, never a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+import grpc
+from google.protobuf import json_format
+from google.protobuf.message import Message
+
+from unicron import jobspec
+from unicron.client import DEFAULT_COORDINATOR, ClientError, UnicronClient
+from unicron.errors import UnicronError
+from unicron.v1 import common_pb2
+
+EXIT_USAGE = 2
+EXIT_FAILED = 1
+BAD_INPUT = {
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.ALREADY_EXISTS,
+    grpc.StatusCode.FAILED_PRECONDITION,
+}
+
+
+def state_name(state: int) -> str:
+    return common_pb2.JobState.Name(state).removeprefix("JOB_STATE_").lower()
+
+
+def node_state_name(state: int) -> str:
+    return common_pb2.NodeState.Name(state).removeprefix("NODE_STATE_").lower()
+
+
+def to_json(message: Message) -> dict[str, Any]:
+    return json_format.MessageToDict(message, preserving_proto_field_name=True)
+
+
+def ago(timestamp_ns: int, now: float | None = None) -> str:
+    if not timestamp_ns:
+        return "-"
+    seconds = max(0.0, (now or time.time()) - timestamp_ns / 1e9)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{int(seconds // size)}{unit} ago"
+    return f"{int(seconds)}s ago"
+
+
+def table(rows: Sequence[Sequence[str]], headers: Sequence[str], out: TextIO) -> None:
+    widths = [max(len(str(cell)) for cell in column) for column in zip(headers, *rows, strict=False)]
+    for row in (headers, *rows):
+        out.write("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=False)).rstrip() + "\n")
+
+
+def job_row(job: common_pb2.Job) -> list[str]:
+    spec = job.spec
+    progress = job.progress
+    placed = ",".join(f"{w.node_id}:{len(w.ranks)}" for w in job.assignment.workers) or "-"
+    loss = f"{progress.loss:.4f}" if progress.iteration else "-"
+    return [
+        job.job_id,
+        spec.name,
+        state_name(job.state),
+        f"{progress.iteration}/{spec.training.iterations}",
+        loss,
+        placed,
+        ago(job.created.ToNanoseconds()),
+    ]
+
+
+JOB_HEADERS = ["ID", "NAME", "STATE", "ITERATION", "LOSS", "PLACEMENT", "SUBMITTED"]
+
+
+def print_job(job: common_pb2.Job, out: TextIO) -> None:
+    spec = job.spec
+    par = spec.parallelism
+    out.write(f"job        {job.job_id} ({spec.name})\n")
+    out.write(f"state      {state_name(job.state)}: {job.reason}\n")
+    out.write(
+        f"shape      TP {par.tensor} x PP {par.pipeline} x DP {par.data} "
+        f"(DP {par.min_data}..{par.max_data}), weight {spec.weight:g}\n"
+    )
+    out.write(
+        f"model      GPT {spec.model.num_layers} layers, hidden {spec.model.hidden_size}, "
+        f"{spec.model.num_attention_heads} heads, seq {spec.model.seq_length}, vocab {spec.model.vocab_size}\n"
+    )
+    progress = job.progress
+    if progress.iteration:
+        out.write(
+            f"progress   iteration {progress.iteration}/{spec.training.iterations}, loss {progress.loss:.4f}, "
+            f"{progress.iteration_seconds:.2f}s/it, {progress.flops_per_second / 1e9:.2f} GFLOP/s, "
+            f"{progress.tokens} tokens\n"
+        )
+    for worker in job.assignment.workers:
+        out.write(f"placement  {worker.node_id}: ranks {', '.join(map(str, worker.ranks))}\n")
+    out.write("history\n")
+    for change in job.history:
+        stamp = time.strftime("%H:%M:%S", time.localtime(change.time.ToNanoseconds() / 1e9))
+        out.write(f"  {stamp}  {state_name(change.state):<10} {change.reason}\n")
+
+
+class ProgressView:
+    """A progress bar on a terminal; one line per event elsewhere (logs, CI)."""
+
+    def __init__(self, out: TextIO, width: int = 30) -> None:
+        self._out = out
+        self._tty = out.isatty()
+        self._width = width
+        self._bar_shown = False
+
+    def progress(self, event: common_pb2.JobEvent, total: int) -> None:
+        p = event.progress
+        rate = f"{1 / p.iteration_seconds:.2f} it/s" if p.iteration_seconds > 0 else ""
+        text = f"{p.iteration}/{total} loss {p.loss:.4f} {rate}".rstrip()
+        if not self._tty:
+            self._out.write(f"  iteration {text}\n")
+            self._out.flush()
+            return
+        done = int(self._width * p.iteration / max(total, 1))
+        self._out.write(f"\r  [{'#' * done}{'.' * (self._width - done)}] {text}   ")
+        self._out.flush()
+        self._bar_shown = True
+
+    def line(self, text: str) -> None:
+        if self._bar_shown:
+            self._out.write("\n")
+            self._bar_shown = False
+        self._out.write(text + "\n")
+        self._out.flush()
+
+
+@dataclass
+class WatchResult:
+    final_state: int = common_pb2.JOB_STATE_UNSPECIFIED
+    first_loss: float | None = None
+    last_loss: float | None = None
+
+
+def follow(client: UnicronClient, job_id: str, out: TextIO, as_json: bool) -> WatchResult:
+    """Shows a job's events until it ends."""
+    view = ProgressView(out)
+    total = 0
+    result = WatchResult()
+    for event in client.watch(job_id):
+        if as_json:
+            out.write(json.dumps(to_json(event)) + "\n")
+            out.flush()
+        if event.type == common_pb2.JOB_EVENT_TYPE_SNAPSHOT:
+            total = event.job.spec.training.iterations
+            if not as_json:
+                view.line(f"watching {event.job.job_id} ({event.job.spec.name}): {state_name(event.state)}")
+        elif event.type == common_pb2.JOB_EVENT_TYPE_PROGRESS:
+            if result.first_loss is None:
+                result.first_loss = event.progress.loss
+            result.last_loss = event.progress.loss
+            if not as_json:
+                view.progress(event, total)
+        elif not as_json:
+            stamp = time.strftime("%H:%M:%S", time.localtime(event.time.ToNanoseconds() / 1e9))
+            view.line(f"{stamp}  {state_name(event.state):<10} {event.message}")
+        result.final_state = event.state
+    return result
+
+
+def watch_job(client: UnicronClient, job_id: str, out: TextIO, as_json: bool) -> int:
+    """Follows a job to its end; exit code 0 only if it succeeded."""
+    result = follow(client, job_id, out, as_json)
+    return 0 if result.final_state == common_pb2.JOB_STATE_SUCCEEDED else EXIT_FAILED
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="unicron", description="Self-healing workload manager for LLM training.")
+    parser.add_argument(
+        "--coordinator",
+        default=os.environ.get("UNICRON_COORDINATOR", DEFAULT_COORDINATOR),
+        help="coordinator host:port (env UNICRON_COORDINATOR, default %(default)s)",
+    )
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    sub = parser.add_subparsers(dest="command", required=True)
+    submit = sub.add_parser("submit", help="submit a job from a YAML spec")
+    submit.add_argument("spec", help="path to the job spec (YAML)")
+    submit.add_argument("--watch", action="store_true", help="follow the job until it ends")
+    sub.add_parser("jobs", help="list jobs")
+    for name, text in (("get", "show one job"), ("watch", "follow a job until it ends")):
+        cmd = sub.add_parser(name, help=text)
+        cmd.add_argument("job", help="job id or name")
+    cancel = sub.add_parser("cancel", help="cancel a job")
+    cancel.add_argument("job", help="job id or name")
+    cancel.add_argument("--reason", default="", help="recorded in the job's history")
+    sub.add_parser("nodes", help="list nodes")
+    return parser
+
+
+def run(args: argparse.Namespace, out: TextIO) -> int:
+    with UnicronClient(args.coordinator) as client:
+        if args.command == "submit":
+            job = client.submit(jobspec.normalized(jobspec.load_spec_file(args.spec)))
+            if args.json and not args.watch:
+                out.write(json.dumps(to_json(job)) + "\n")
+            elif not args.json:
+                out.write(f"submitted {job.job_id} ({job.spec.name})\n")
+            return watch_job(client, job.job_id, out, args.json) if args.watch else 0
+        if args.command == "jobs":
+            jobs = client.list_jobs()
+            if args.json:
+                out.write(json.dumps([to_json(j) for j in jobs]) + "\n")
+            else:
+                table([job_row(j) for j in jobs], JOB_HEADERS, out)
+            return 0
+        if args.command == "get":
+            job = client.get(args.job)
+            out.write(json.dumps(to_json(job)) + "\n") if args.json else print_job(job, out)
+            return 0
+        if args.command == "watch":
+            return watch_job(client, args.job, out, args.json)
+        if args.command == "cancel":
+            job = client.cancel(args.job, args.reason)
+            out.write(json.dumps(to_json(job)) + "\n") if args.json else out.write(f"cancelled {job.job_id}\n")
+            return 0
+        if args.command == "nodes":
+            nodes = client.nodes()
+            if args.json:
+                out.write(json.dumps([to_json(n) for n in nodes]) + "\n")
+            else:
+                rows = [
+                    [
+                        n.node_id,
+                        node_state_name(n.state),
+                        f"{n.used_slots}/{n.slots}",
+                        n.address,
+                        n.failure_domain or "-",
+                        ago(n.last_heartbeat.ToNanoseconds()),
+                    ]
+                    for n in nodes
+                ]
+                table(rows, ["NODE", "STATE", "SLOTS USED", "ADDRESS", "DOMAIN", "HEARTBEAT"], out)
+            return 0
+    raise AssertionError(args.command)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args, sys.stdout)
+    except UnicronError as exc:
+        print(f"unicron: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except ClientError as exc:
+        print(f"unicron: {exc}", file=sys.stderr)
+        return EXIT_USAGE if exc.code in BAD_INPUT else EXIT_FAILED
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""A small Python client of the public job API."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+
+from unicron import rpc
+from unicron.v1 import common_pb2, job_service_pb2, job_service_pb2_grpc
+
+DEFAULT_COORDINATOR = "127.0.0.1:50051"
+
+
+class ClientError(Exception):
+    """A failed call, with its gRPC status code and the server's one-line message."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _unwrap(exc: grpc.RpcError, address: str) -> ClientError:
+    code = exc.code()
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return ClientError(code, f"cannot reach the coordinator at {address} (is it running?)")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return ClientError(code, f"the coordinator at {address} did not answer in time")
+    return ClientError(code, exc.details() or code.name)
+
+
+class UnicronClient:
+    def __init__(self, address: str = DEFAULT_COORDINATOR, timeout_s: float = 10.0) -> None:
+        self.address = address
+        self._timeout_s = timeout_s
+        self._channel = rpc.channel(address)
+        self._stub = job_service_pb2_grpc.JobServiceStub(self._channel)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> UnicronClient:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def _call(self, method: str, request: object) -> object:
+        try:
+            return getattr(self._stub, method)(request, timeout=self._timeout_s)
+        except grpc.RpcError as exc:
+            raise _unwrap(exc, self.address) from None
+
+    def submit(self, spec: common_pb2.JobSpec) -> common_pb2.Job:
+        reply = self._call("SubmitJob", job_service_pb2.SubmitJobRequest(spec=spec))
+        assert isinstance(reply, job_service_pb2.SubmitJobResponse)
+        return reply.job
+
+    def get(self, job_id: str) -> common_pb2.Job:
+        reply = self._call("GetJob", job_service_pb2.GetJobRequest(job_id=job_id))
+        assert isinstance(reply, job_service_pb2.GetJobResponse)
+        return reply.job
+
+    def list_jobs(self, states: list[common_pb2.JobState] | None = None) -> list[common_pb2.Job]:
+        reply = self._call("ListJobs", job_service_pb2.ListJobsRequest(states=states or []))
+        assert isinstance(reply, job_service_pb2.ListJobsResponse)
+        return list(reply.jobs)
+
+    def cancel(self, job_id: str, reason: str = "") -> common_pb2.Job:
+        reply = self._call("CancelJob", job_service_pb2.CancelJobRequest(job_id=job_id, reason=reason))
+        assert isinstance(reply, job_service_pb2.CancelJobResponse)
+        return reply.job
+
+    def nodes(self) -> list[common_pb2.Node]:
+        reply = self._call("ListNodes", job_service_pb2.ListNodesRequest())
+        assert isinstance(reply, job_service_pb2.ListNodesResponse)
+        return list(reply.nodes)
+
+    def watch(self, job_id: str, after_event_id: str = "") -> Iterator[common_pb2.JobEvent]:
+        """Events until the job ends; reconnects are the caller's (pass the last event_id)."""
+        try:
+            for reply in self._stub.WatchJob(
+                job_service_pb2.WatchJobRequest(job_id=job_id, after_event_id=after_event_id)
+            ):
+                yield reply.event
+        except grpc.RpcError as exc:
+            raise _unwrap(exc, self.address) from None

@@ -1,0 +1,75 @@
+"""`make demo`: the whole system on this machine. Starts Redis, the coordinator, two
+planner replicas and two agents, submits a small GPT job spanning both agents, shows its
+progress, prints a summary and stops everything."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from unicron import jobspec
+from unicron.cli import follow, print_job, state_name, table
+from unicron.client import ClientError, UnicronClient
+from unicron.errors import UnicronError
+from unicron.localcluster import ROOT, LocalCluster
+from unicron.v1 import common_pb2
+
+
+def say(text: str) -> None:
+    print(f"\n== {text}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--spec", default=str(ROOT / "examples" / "gpt-tiny.yaml"))
+    parser.add_argument("--run-dir", default=str(ROOT / "run" / "demo"))
+    args = parser.parse_args(argv)
+    run_dir = Path(args.run_dir) / time.strftime("%Y%m%d-%H%M%S")
+    spec = jobspec.normalized(jobspec.load_spec_file(args.spec))
+    started = time.monotonic()
+    say(f"starting Redis, coordinator, 2 planners, 2 agents (logs in {run_dir})")
+    cluster = LocalCluster(run_dir, redis_url=os.environ.get("UNICRON_REDIS_URL"))
+    try:
+        cluster.start()
+        with UnicronClient(cluster.coordinator) as client:
+            cluster.wait_nodes(client.nodes, 2)
+            say("nodes")
+            nodes = client.nodes()
+            table([[n.node_id, n.address, str(n.slots)] for n in nodes], ["NODE", "AGENT", "SLOTS"], sys.stdout)
+            say(f"submitting {args.spec}")
+            job = client.submit(spec)
+            print(
+                f"submitted {job.job_id}: GPT {spec.model.num_layers} layers, "
+                f"{jobspec.world_size(spec)} ranks, {spec.training.iterations} iterations"
+            )
+            watched = follow(client, job.job_id, sys.stdout, as_json=False)
+            job = client.get(job.job_id)
+            say("summary")
+            print_job(job, sys.stdout)
+            trend = (
+                f"loss {watched.first_loss:.4f} -> {watched.last_loss:.4f}"
+                if watched.first_loss is not None and watched.last_loss is not None
+                else "no progress"
+            )
+            print(
+                f"\nresult: {state_name(job.state)} in {time.monotonic() - started:.0f}s, "
+                f"{job.progress.iteration} iterations, {trend}"
+            )
+            code = 0 if job.state == common_pb2.JOB_STATE_SUCCEEDED else 1
+    except (UnicronError, ClientError) as exc:
+        print(f"demo failed: {exc}", file=sys.stderr)
+        code = 1
+    except KeyboardInterrupt:
+        code = 130
+    finally:
+        say("stopping every process")
+        cluster.stop()
+        print("stopped: no Unicron process left running")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""Job specs: reading them from YAML, filling defaults, and the one validation that the
+coordinator applies (the CLI reuses it so users see errors before any RPC)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
+
+from unicron.errors import InvalidArgument
+from unicron.v1 import common_pb2
+
+NAME_PATTERN = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+MAX_WORLD_SIZE = 4096
+MAX_MODEL_DIM = 65536
+
+_INTEGER_TYPES = {
+    FieldDescriptor.TYPE_UINT32,
+    FieldDescriptor.TYPE_UINT64,
+    FieldDescriptor.TYPE_INT32,
+    FieldDescriptor.TYPE_INT64,
+}
+
+
+def _fill(message: Message, data: Any, path: str) -> None:
+    descriptor: Any = message.DESCRIPTOR
+    if not isinstance(data, Mapping):
+        raise InvalidArgument(path or "spec", "must be a mapping")
+    for key, value in data.items():
+        where = f"{path}.{key}" if path else str(key)
+        field = descriptor.fields_by_name.get(str(key))
+        if field is None:
+            expected = ", ".join(f.name for f in descriptor.fields)
+            raise InvalidArgument(where, f"unknown field (expected one of: {expected})")
+        if value is None:
+            continue
+        if field.type == FieldDescriptor.TYPE_MESSAGE:
+            _fill(getattr(message, field.name), value, where)
+        elif field.type in _INTEGER_TYPES:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise InvalidArgument(where, f"must be an integer, got {value!r}")
+            if value < 0:
+                raise InvalidArgument(where, f"must not be negative, got {value}")
+            if value >= 2**31:
+                raise InvalidArgument(where, f"is too large: {value}")
+            setattr(message, field.name, value)
+        elif field.type == FieldDescriptor.TYPE_DOUBLE:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise InvalidArgument(where, f"must be a number, got {value!r}")
+            setattr(message, field.name, float(value))
+        elif field.type == FieldDescriptor.TYPE_BOOL:
+            if not isinstance(value, bool):
+                raise InvalidArgument(where, f"must be true or false, got {value!r}")
+            setattr(message, field.name, value)
+        elif field.type == FieldDescriptor.TYPE_STRING:
+            if not isinstance(value, str):
+                raise InvalidArgument(where, f"must be a string, got {value!r}")
+            setattr(message, field.name, value)
+        else:  # pragma: no cover - the spec has no other field types
+            raise InvalidArgument(where, "unsupported field type")
+
+
+def spec_from_dict(data: Any) -> common_pb2.JobSpec:
+    spec = common_pb2.JobSpec()
+    _fill(spec, data, "")
+    return spec
+
+
+def load_spec_file(path: str | Path) -> common_pb2.JobSpec:
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except OSError as exc:
+        raise InvalidArgument("spec", f"cannot read {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise InvalidArgument("spec", f"{path} is not valid YAML: {exc}") from None
+    return spec_from_dict(data)
+
+
+def with_defaults(spec: common_pb2.JobSpec) -> common_pb2.JobSpec:
+    """A copy with the documented defaults filled in (zero means 'default' in proto3)."""
+    out = common_pb2.JobSpec()
+    out.CopyFrom(spec)
+    par = out.parallelism
+    par.tensor = par.tensor or 1
+    par.pipeline = par.pipeline or 1
+    par.min_data = par.min_data or par.data
+    par.max_data = par.max_data or par.data
+    train = out.training
+    train.micro_batch_size = train.micro_batch_size or 1
+    train.learning_rate = train.learning_rate or 1e-3
+    out.weight = out.weight or 1.0
+    return out
+
+
+def _require(condition: bool, field: str, problem: str) -> None:
+    if not condition:
+        raise InvalidArgument(field, problem)
+
+
+def validate(spec: common_pb2.JobSpec) -> None:
+    """Raises InvalidArgument naming the first bad field. Expects defaults filled."""
+    _require(bool(spec.name), "spec.name", "is required")
+    _require(
+        bool(NAME_PATTERN.match(spec.name)),
+        "spec.name",
+        f"{spec.name!r} must be lowercase letters, digits and '-', 1-63 characters",
+    )
+    _require(spec.HasField("model"), "spec.model", "is required")
+    model = spec.model
+    for field in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size"):
+        value = getattr(model, field)
+        _require(value > 0, f"spec.model.{field}", "is required and must be positive")
+        _require(value <= MAX_MODEL_DIM, f"spec.model.{field}", f"must be at most {MAX_MODEL_DIM}")
+    _require(
+        model.hidden_size % model.num_attention_heads == 0,
+        "spec.model.hidden_size",
+        f"{model.hidden_size} is not divisible by num_attention_heads {model.num_attention_heads}",
+    )
+    par = spec.parallelism
+    _require(par.data > 0, "spec.parallelism.data", "is required and must be positive")
+    _require(
+        par.min_data <= par.data <= par.max_data,
+        "spec.parallelism.data",
+        f"must lie within min_data..max_data ({par.min_data}..{par.max_data})",
+    )
+    _require(
+        model.num_attention_heads % par.tensor == 0,
+        "spec.parallelism.tensor",
+        f"{par.tensor} does not divide num_attention_heads {model.num_attention_heads}",
+    )
+    _require(
+        model.num_layers % par.pipeline == 0,
+        "spec.parallelism.pipeline",
+        f"{par.pipeline} does not divide num_layers {model.num_layers}",
+    )
+    world = par.tensor * par.pipeline * par.max_data
+    _require(world <= MAX_WORLD_SIZE, "spec.parallelism", f"asks for {world} ranks, over {MAX_WORLD_SIZE}")
+    train = spec.training
+    _require(train.iterations > 0, "spec.training.iterations", "is required and must be positive")
+    _require(train.global_batch_size > 0, "spec.training.global_batch_size", "is required and must be positive")
+    _require(train.learning_rate > 0, "spec.training.learning_rate", "must be positive")
+    for dp in range(par.min_data, par.max_data + 1):
+        # Every allowed data-parallel degree must split the global batch evenly, or a
+        # resize would change what the optimizer sees.
+        _require(
+            train.global_batch_size % (train.micro_batch_size * dp) == 0,
+            "spec.training.global_batch_size",
+            f"{train.global_batch_size} is not divisible by micro_batch_size x data ({train.micro_batch_size} x {dp})",
+        )
+    _require(spec.weight > 0, "spec.weight", "must be positive")
+
+
+def world_size(spec: common_pb2.JobSpec, data_parallel: int | None = None) -> int:
+    par = spec.parallelism
+    return par.tensor * par.pipeline * (data_parallel or par.data)
+
+
+def normalized(spec: common_pb2.JobSpec) -> common_pb2.JobSpec:
+    full = with_defaults(spec)
+    validate(full)
+    return full

@@ -1,0 +1,156 @@
+"""Every service as a local process on 127.0.0.1: what `make demo` and the end-to-end
+tests run. Stops cleanly, leaving no process behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from unicron import rpc
+from unicron.errors import Unavailable
+from unicron.redisutil import LocalRedis, free_port
+from unicron.v1 import common_pb2
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Service:
+    name: str
+    address: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+
+@dataclass
+class LocalCluster:
+    run_dir: Path
+    agents: int = 2
+    slots_per_agent: int = 2
+    planners: int = 2
+    redis_url: str | None = None
+    heartbeat_timeout_s: float = 3.0
+    extra_env: dict[str, str] = field(default_factory=dict)
+    services: list[Service] = field(default_factory=list)
+    _redis: LocalRedis | None = None
+
+    @property
+    def coordinator(self) -> str:
+        return next(s.address for s in self.services if s.name == "coordinator")
+
+    def service(self, name: str) -> Service:
+        return next(s for s in self.services if s.name == name)
+
+    def start(self, timeout_s: float = 60.0) -> LocalCluster:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            if self.redis_url is None:
+                self._redis = LocalRedis(self.run_dir / "redis").start()
+                self.redis_url = self._redis.url
+            planner_addresses = [self._spawn(f"planner-{i}", "services.planner", []) for i in range(self.planners)]
+            self._wait_ready(planner_addresses, timeout_s)
+            coordinator = self._spawn(
+                "coordinator",
+                "services.coordinator",
+                [
+                    "--redis-url",
+                    self.redis_url,
+                    "--planners",
+                    ",".join(planner_addresses),
+                    "--heartbeat-timeout-s",
+                    str(self.heartbeat_timeout_s),
+                ],
+            )
+            self._wait_ready([coordinator], timeout_s)
+            for i in range(self.agents):
+                node_id = f"node-{chr(ord('a') + i)}"
+                self._spawn(
+                    node_id,
+                    "services.agent",
+                    [
+                        "--node-id",
+                        node_id,
+                        "--coordinator",
+                        coordinator,
+                        "--slots",
+                        str(self.slots_per_agent),
+                        "--work-dir",
+                        str(self.run_dir / "agents"),
+                        "--failure-domain",
+                        f"rack-{i % 2}",
+                    ],
+                    bind="127.0.0.1:0",
+                )
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _spawn(self, name: str, module: str, args: list[str], bind: str | None = None) -> str:
+        address = bind or f"127.0.0.1:{free_port()}"
+        log_path = self.run_dir / f"{name}.log"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.extra_env}
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", module, "--bind", address, *args],
+                cwd=ROOT,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
+        self.services.append(Service(name, address, proc, log_path))
+        return address
+
+    def _wait_ready(self, addresses: list[str], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for address in addresses:
+            service = next(s for s in self.services if s.address == address)
+            while not rpc.wait_ready(address, timeout_s=1.0):
+                if service.proc.poll() is not None:
+                    raise Unavailable(
+                        f"{service.name} exited with code {service.proc.returncode}; see {service.log_path}"
+                    )
+                if time.monotonic() > deadline:
+                    raise Unavailable(f"{service.name} not ready after {timeout_s}s; see {service.log_path}")
+
+    def wait_nodes(
+        self, list_nodes: Callable[[], Sequence[common_pb2.Node]], count: int, timeout_s: float = 30.0
+    ) -> None:
+        """Waits until `count` nodes are READY (list_nodes: e.g. UnicronClient.nodes)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if sum(node.state == common_pb2.NODE_STATE_READY for node in list_nodes()) >= count:
+                return
+            time.sleep(0.2)
+        raise Unavailable(f"fewer than {count} agents registered within {timeout_s}s")
+
+    def kill(self, name: str, sig: signal.Signals = signal.SIGKILL) -> None:
+        self.service(name).proc.send_signal(sig)
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM in reverse start order (agents stop their trainers first), then SIGKILL."""
+        for service in reversed(self.services):
+            if service.proc.poll() is None:
+                service.proc.send_signal(signal.SIGTERM)
+            try:
+                service.proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                service.proc.kill()
+                service.proc.wait()
+        self.services.clear()
+        if self._redis:
+            self._redis.stop()
+            self._redis = None
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *_: object) -> None:
+        self.stop()

@@ -1,0 +1,178 @@
+"""gRPC plumbing shared by every service: the server (health, reflection, bounded pool,
+graceful SIGTERM), client channels, and the edge that turns domain errors into statuses."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import signal
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from concurrent import futures
+from typing import Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from unicron import errors, telemetry
+
+log = logging.getLogger(__name__)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+SERVER_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+]
+
+STATUS_OF: dict[type[errors.UnicronError], grpc.StatusCode] = {
+    errors.InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.NotFound: grpc.StatusCode.NOT_FOUND,
+    errors.AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
+    errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
+    errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    errors.Conflict: grpc.StatusCode.ABORTED,
+}
+
+
+def status_for(exc: errors.UnicronError) -> grpc.StatusCode:
+    for kind in type(exc).__mro__:
+        if kind in STATUS_OF:
+            return STATUS_OF[kind]
+    return grpc.StatusCode.UNKNOWN
+
+
+def grpc_errors(method: F) -> F:
+    """Servicer-method decorator: domain errors become their status code with the
+    message as details; anything else is a bug, logged with its traceback, INTERNAL."""
+
+    def abort(context: grpc.ServicerContext, exc: BaseException) -> None:
+        if isinstance(exc, errors.UnicronError):
+            context.abort(status_for(exc), str(exc))
+        log.exception("unhandled error in %s", method.__qualname__)
+        context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
+
+    if _is_generator(method):
+
+        @functools.wraps(method)
+        def stream_wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+            try:
+                yield from method(self, request, context)
+            except Exception as exc:  # noqa: BLE001 - the edge of the server
+                abort(context, exc)
+
+        return stream_wrapper  # type: ignore[return-value]
+
+    @functools.wraps(method)
+    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return method(self, request, context)
+        except Exception as exc:  # noqa: BLE001 - the edge of the server
+            abort(context, exc)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _is_generator(fn: Callable[..., Any]) -> bool:
+    import inspect
+
+    return inspect.isgeneratorfunction(fn)
+
+
+class Server:
+    """A gRPC server with health checking and reflection, stopped gracefully on SIGTERM."""
+
+    def __init__(self, *, bind: str, max_workers: int, grace_s: float = 5.0) -> None:
+        self._grace_s = grace_s
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
+            interceptors=telemetry.server_interceptors(),
+            options=SERVER_OPTIONS,
+            # Bounds the work queue as well as the pool: excess calls get RESOURCE_EXHAUSTED.
+            maximum_concurrent_rpcs=max_workers * 4,
+        )
+        self._health = health.HealthServicer(experimental_non_blocking=True)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        self._service_names: list[str] = [health.SERVICE_NAME, reflection.SERVICE_NAME]
+        self.port = self._server.add_insecure_port(bind)
+        if self.port == 0:
+            raise errors.Unavailable(f"cannot bind gRPC server to {bind}")
+        host = bind.rsplit(":", 1)[0]
+        self.address = f"{host}:{self.port}"
+        self._stopped = threading.Event()
+        self._on_stop: list[Callable[[], None]] = []
+
+    @property
+    def grpc_server(self) -> grpc.Server:
+        return self._server
+
+    def add(self, register: Callable[[Any, grpc.Server], None], servicer: Any, full_name: str) -> None:
+        register(servicer, self._server)
+        self._service_names.append(full_name)
+
+    def on_stop(self, callback: Callable[[], None]) -> None:
+        self._on_stop.append(callback)
+
+    def start(self) -> None:
+        reflection.enable_server_reflection(self._service_names, self._server)
+        self._server.start()
+        for name in [*self._service_names, ""]:
+            self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    def stop(self) -> None:
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        # Health goes NOT_SERVING first so load balancers stop sending before we drain.
+        self._health.enter_graceful_shutdown()
+        for callback in self._on_stop:
+            try:
+                callback()
+            except Exception:
+                log.exception("stop callback failed")
+        self._server.stop(self._grace_s).wait()
+
+    def install_signal_handlers(self) -> None:
+        def handle(signum: int, _frame: Any) -> None:
+            log.info("received %s, shutting down", signal.Signals(signum).name)
+            threading.Thread(target=self.stop, name="shutdown", daemon=True).start()
+
+        signal.signal(signal.SIGTERM, handle)
+        signal.signal(signal.SIGINT, handle)
+
+    def wait(self) -> None:
+        self._server.wait_for_termination()
+
+
+def channel(address: str) -> grpc.Channel:
+    """A client channel with the shared options and tracing interceptors."""
+    return telemetry.traced_channel(grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
+
+
+def wait_ready(address: str, timeout_s: float) -> bool:
+    """True once the server at address answers health checks as SERVING."""
+    with grpc.insecure_channel(address) as chan:
+        stub = health_pb2_grpc.HealthStub(chan)
+        try:
+            grpc.channel_ready_future(chan).result(timeout=timeout_s)
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+        except (grpc.FutureTimeoutError, grpc.RpcError):
+            return False
+        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+def split_addresses(value: str | Sequence[str]) -> list[str]:
+    items: Iterable[str] = value.split(",") if isinstance(value, str) else value
+    return [item.strip() for item in items if item.strip()]
