@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     say(f"starting Redis, coordinator, 2 planners, 2 agents (logs in {run_dir})")
     cluster = LocalCluster(run_dir, redis_url=os.environ.get("UNICRON_REDIS_URL"))
+    code = 1
     try:
         cluster.start()
         with UnicronClient(cluster.coordinator) as client:
@@ -66,8 +67,12 @@ def main(argv: list[str] | None = None) -> int:
         code = 130
     finally:
         say("stopping every process")
-        cluster.stop()
-        print("stopped: no Unicron process left running")
+        leftovers = cluster.stop()
+        if leftovers:
+            print(f"had to kill {len(leftovers)} process(es) that outlived their service: {', '.join(leftovers)}")
+            code = code or 1
+        else:
+            print("stopped: no Unicron process left running")
     return code
 
 

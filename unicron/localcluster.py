@@ -12,6 +12,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
+
 from unicron import rpc
 from unicron.errors import Unavailable
 from unicron.redisutil import LocalRedis, free_port
@@ -26,6 +28,7 @@ class Service:
     address: str
     proc: subprocess.Popen[bytes]
     log_path: Path
+    argv: list[str]
 
 
 @dataclass
@@ -94,19 +97,27 @@ class LocalCluster:
 
     def _spawn(self, name: str, module: str, args: list[str], bind: str | None = None) -> str:
         address = bind or f"127.0.0.1:{free_port()}"
-        log_path = self.run_dir / f"{name}.log"
+        argv = [sys.executable, "-m", module, "--bind", address, *args]
+        self.services.append(
+            Service(name, address, self._popen(argv, self.run_dir / f"{name}.log"), self.run_dir / f"{name}.log", argv)
+        )
+        return address
+
+    def _popen(self, argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.extra_env}
         with open(log_path, "ab") as log:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", module, "--bind", address, *args],
-                cwd=ROOT,
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
+            return subprocess.Popen(
+                argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
             )
-        self.services.append(Service(name, address, proc, log_path))
-        return address
+
+    def restart(self, name: str, timeout_s: float = 60.0) -> None:
+        """Starts a stopped or killed service again with the same arguments and address."""
+        service = self.service(name)
+        if service.proc.poll() is None:
+            raise RuntimeError(f"{name} is still running")
+        service.proc = self._popen(service.argv, service.log_path)
+        if not name.startswith("node-"):
+            self._wait_ready([service.address], timeout_s)
 
     def _wait_ready(self, addresses: list[str], timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -134,8 +145,17 @@ class LocalCluster:
     def kill(self, name: str, sig: signal.Signals = signal.SIGKILL) -> None:
         self.service(name).proc.send_signal(sig)
 
-    def stop(self, grace_s: float = 15.0) -> None:
-        """SIGTERM in reverse start order (agents stop their trainers first), then SIGKILL."""
+    def stop(self, grace_s: float = 15.0) -> list[str]:
+        """SIGTERM in reverse start order (agents stop their trainers first), then SIGKILL.
+
+        Returns the processes that outlived their parent's shutdown and had to be killed
+        (empty when everything stopped as it should)."""
+        descendants: list[psutil.Process] = []
+        for service in self.services:
+            try:
+                descendants += psutil.Process(service.proc.pid).children(recursive=True)
+            except psutil.NoSuchProcess:
+                pass
         for service in reversed(self.services):
             if service.proc.poll() is None:
                 service.proc.send_signal(signal.SIGTERM)
@@ -148,6 +168,15 @@ class LocalCluster:
         if self._redis:
             self._redis.stop()
             self._redis = None
+        leftovers = []
+        for proc in descendants:
+            try:
+                if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                    leftovers.append(f"{proc.pid} ({' '.join(proc.cmdline()[:4])})")
+                    proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+        return leftovers
 
     def __enter__(self) -> LocalCluster:
         return self.start()

@@ -64,6 +64,7 @@ class Coordinator:
         self.planner = planner
         self.settings = settings
         self.clock = clock
+        self._started_at = clock()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._loop: threading.Thread | None = None
@@ -280,7 +281,7 @@ class Coordinator:
     def reconcile_once(self) -> None:
         now = self.clock()
         nodes = self.store.list_nodes()
-        for node_id in decide.lost_nodes(now, nodes, self.settings.heartbeat_timeout_s):
+        for node_id in decide.lost_nodes(now, nodes, self.settings.heartbeat_timeout_s, self._started_at):
             self._lose_node(node_id)
         jobs = self.store.list_jobs()
         if any(job.state == state.PENDING for job in jobs):

@@ -8,12 +8,20 @@ from services.coordinator import state
 from unicron.v1 import common_pb2, planner_service_pb2
 
 
-def lost_nodes(now: float, nodes: Iterable[common_pb2.Node], timeout_s: float) -> list[str]:
-    """READY nodes whose last heartbeat is older than the timeout."""
+def lost_nodes(
+    now: float, nodes: Iterable[common_pb2.Node], timeout_s: float, observing_since: float = 0.0
+) -> list[str]:
+    """READY nodes silent for longer than the timeout.
+
+    Silence is counted from `observing_since` at the earliest (when this coordinator
+    started listening): heartbeats sent while no coordinator was up went nowhere, so
+    a coordinator restart must not read them as lost nodes.
+    """
     return [
         node.node_id
         for node in nodes
-        if node.state == common_pb2.NODE_STATE_READY and now - node.last_heartbeat.ToNanoseconds() / 1e9 > timeout_s
+        if node.state == common_pb2.NODE_STATE_READY
+        and now - max(node.last_heartbeat.ToNanoseconds() / 1e9, observing_since) > timeout_s
     ]
 
 

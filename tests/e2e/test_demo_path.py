@@ -49,7 +49,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         local.wait_nodes(client.nodes, 2)
     yield local
     services = [s.proc.pid for s in local.services]
-    local.stop()
+    leftovers = local.stop()
+    assert leftovers == [], "processes outlived their service's shutdown"
     assert not [pid for pid in services if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
 
 
@@ -73,16 +74,23 @@ def test_job_trains_across_both_agents_and_succeeds(cluster: LocalCluster, tmp_p
     assert "e2e-gpt" in table and "succeeded" in table
 
 
-def test_killed_trainer_is_detected_and_the_job_fails_with_the_signal(cluster: LocalCluster, tmp_path: Path) -> None:
-    spec = dict(SPEC, name="e2e-kill", training=dict(SPEC["training"], iterations=10_000))  # type: ignore[arg-type]
+def submit_running(cluster: LocalCluster, tmp_path: Path, name: str, iterations: int) -> str:
+    """Submits a variant of SPEC through the CLI and waits until it trains; returns its id."""
+    spec = dict(SPEC, name=name, training=dict(SPEC["training"], iterations=iterations))  # type: ignore[arg-type]
     spec_file = tmp_path / "job.yaml"
     spec_file.write_text(yaml.safe_dump(spec))
-    job_id = json.loads(unicron(cluster, "--json", "submit", str(spec_file)).stdout)["job_id"]
+    job_id: str = json.loads(unicron(cluster, "--json", "submit", str(spec_file)).stdout)["job_id"]
     with UnicronClient(cluster.coordinator) as client:
         deadline = time.monotonic() + 120
         while client.get(job_id).state != common_pb2.JOB_STATE_RUNNING:
             assert time.monotonic() < deadline, "job never started running"
             time.sleep(0.5)
+    return job_id
+
+
+def test_killed_trainer_is_detected_and_the_job_fails_with_the_signal(cluster: LocalCluster, tmp_path: Path) -> None:
+    job_id = submit_running(cluster, tmp_path, "e2e-kill", iterations=10_000)
+    with UnicronClient(cluster.coordinator) as client:
         victims = [
             p
             for p in psutil.process_iter(["cmdline", "environ"])
@@ -105,6 +113,24 @@ def test_killed_trainer_is_detected_and_the_job_fails_with_the_signal(cluster: L
     ):
         assert time.monotonic() < deadline, "trainers of the failed job still running"
         time.sleep(0.5)
+
+
+def test_a_job_survives_a_coordinator_crash(cluster: LocalCluster, tmp_path: Path) -> None:
+    job_id = submit_running(cluster, tmp_path, "e2e-crash", iterations=25)
+    coordinator = cluster.service("coordinator")
+    cluster.kill("coordinator", signal.SIGKILL)
+    coordinator.proc.wait()
+    time.sleep(cluster.heartbeat_timeout_s + 1)  # longer than the heartbeat timeout
+    cluster.restart("coordinator")
+    watched = unicron(cluster, "watch", job_id, check=False)
+    assert watched.returncode == 0, watched.stdout + watched.stderr
+    with UnicronClient(cluster.coordinator) as client:
+        job = client.get(job_id)
+        assert job.state == common_pb2.JOB_STATE_SUCCEEDED
+        assert [n.state for n in client.nodes()] == [common_pb2.NODE_STATE_READY] * 2
+        jobs = client.list_jobs()
+        assert [j.spec.name for j in jobs].count("e2e-crash") == 1  # nothing lost, nothing duplicated
+        assert len({j.job_id for j in jobs}) == len(jobs)
 
 
 def test_cli_errors_are_one_line(cluster: LocalCluster) -> None:

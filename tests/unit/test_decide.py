@@ -26,6 +26,12 @@ def test_lost_nodes(beat: float, node_state: int, lost: bool) -> None:
     assert decide.lost_nodes(100.0, [node("n", beat, node_state)], timeout_s=3.0) == (["n"] if lost else [])
 
 
+def test_a_restarted_coordinator_gives_nodes_a_full_timeout() -> None:
+    silent_since_outage = node("n", 50.0)
+    assert decide.lost_nodes(100.0, [silent_since_outage], timeout_s=3.0, observing_since=98.0) == []
+    assert decide.lost_nodes(101.5, [silent_since_outage], timeout_s=3.0, observing_since=98.0) == ["n"]
+
+
 def spec(tensor: int = 1, data: int = 2) -> common_pb2.JobSpec:
     return jobspec.with_defaults(jobspec.spec_from_dict({"parallelism": {"tensor": tensor, "data": data}}))
 
