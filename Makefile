@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 GEN_STAMP := unicron/v1/.generated
 PROTOS := $(wildcard proto/unicron/v1/*.proto)
 
-.PHONY: all venv gen redis demo test test-unit lint fmt clean
+.PHONY: all venv gen redis demo test test-unit lint fmt clean bench-planner bench-detect
 
 all: test
 
@@ -41,6 +41,13 @@ test: gen redis
 
 test-unit: gen
 	$(PY) -m pytest -q -m "not integration and not e2e"
+
+# Benchmarks write bench/results/*.json and print a table; they are measurements, not tests.
+bench-planner: gen
+	$(PY) -m bench.planner
+
+bench-detect: gen redis
+	$(PY) -m bench.detection
 
 lint: gen
 	$(PY) -m ruff check .

@@ -16,9 +16,10 @@ import grpc
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
-from unicron import jobspec
+from unicron import failures, jobspec
 from unicron.client import DEFAULT_COORDINATOR, ClientError, UnicronClient
-from unicron.errors import UnicronError
+from unicron.errors import InvalidArgument, UnicronError
+from unicron.faults import FAULT_NAMES, parse_fault
 from unicron.v1 import common_pb2
 
 EXIT_USAGE = 2
@@ -74,6 +75,25 @@ def job_row(job: common_pb2.Job) -> list[str]:
         ago(job.created.ToNanoseconds()),
     ]
 
+
+def incident_row(incident: common_pb2.Incident) -> list[str]:
+    detected = incident.detected.ToNanoseconds() / 1e9
+    latency = detected - incident.first_seen.ToNanoseconds() / 1e9
+    ranks = sorted({r.rank for r in incident.reports if r.HasField("rank")})
+    return [
+        incident.incident_id,
+        incident.job_id or "-",
+        failures.kind_name(incident.kind),
+        failures.severity_name(incident.severity),
+        time.strftime("%H:%M:%S", time.localtime(detected)),
+        f"{latency:.2f}s",
+        f"{len(incident.reports)} ({','.join(map(str, ranks)) or 'node'})",
+        incident.recommended_action,
+        incident.action_taken or "-",
+    ]
+
+
+INCIDENT_HEADERS = ["ID", "JOB", "KIND", "SEV", "DETECTED", "LATENCY", "REPORTS (RANKS)", "FIRST ACTION", "TAKEN"]
 
 JOB_HEADERS = ["ID", "NAME", "STATE", "ITERATION", "LOSS", "PLACEMENT", "SUBMITTED"]
 
@@ -195,6 +215,18 @@ def build_parser() -> argparse.ArgumentParser:
     cancel.add_argument("job", help="job id or name")
     cancel.add_argument("--reason", default="", help="recorded in the job's history")
     sub.add_parser("nodes", help="list nodes")
+    incidents = sub.add_parser("incidents", help="list failure incidents")
+    incidents.add_argument("job", nargs="?", default="", help="only this job's (id or name)")
+    inject = sub.add_parser(
+        "inject",
+        help="inject a fault into a running job (its agents must run with --fault-injection)",
+        description="FAULT is kind[:arg][@step]: "
+        + ", ".join(FAULT_NAMES)
+        + "; e.g. crash@5, exception:illegal_memory_access, slow:0.5, hang.",
+    )
+    inject.add_argument("job", help="job id or name")
+    inject.add_argument("fault", help="what to inject, e.g. crash@5 or exception:ecc_error")
+    inject.add_argument("--rank", type=int, default=0, help="rank that misbehaves (default 0)")
     return parser
 
 
@@ -223,6 +255,21 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
         if args.command == "cancel":
             job = client.cancel(args.job, args.reason)
             out.write(json.dumps(to_json(job)) + "\n") if args.json else out.write(f"cancelled {job.job_id}\n")
+            return 0
+        if args.command == "incidents":
+            found = client.incidents(args.job)
+            if args.json:
+                out.write(json.dumps([to_json(i) for i in found]) + "\n")
+            else:
+                table([incident_row(i) for i in found], INCIDENT_HEADERS, out)
+            return 0
+        if args.command == "inject":
+            if args.rank < 0:
+                raise InvalidArgument("rank", "must not be negative")
+            node = client.inject(args.job, parse_fault(args.fault, args.rank))
+            out.write(json.dumps({"node_id": node}) + "\n") if args.json else out.write(
+                f"sent {args.fault} for rank {args.rank} to {node}\n"
+            )
             return 0
         if args.command == "nodes":
             nodes = client.nodes()

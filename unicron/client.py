@@ -76,6 +76,17 @@ class UnicronClient:
         assert isinstance(reply, job_service_pb2.ListNodesResponse)
         return list(reply.nodes)
 
+    def incidents(self, job_id: str = "") -> list[common_pb2.Incident]:
+        reply = self._call("ListIncidents", job_service_pb2.ListIncidentsRequest(job_id=job_id))
+        assert isinstance(reply, job_service_pb2.ListIncidentsResponse)
+        return list(reply.incidents)
+
+    def inject(self, job_id: str, fault: common_pb2.Fault) -> str:
+        """Injects a fault into a running job; returns the node that received it."""
+        reply = self._call("InjectFault", job_service_pb2.InjectFaultRequest(job_id=job_id, fault=fault))
+        assert isinstance(reply, job_service_pb2.InjectFaultResponse)
+        return reply.node_id
+
     def watch(self, job_id: str, after_event_id: str = "") -> Iterator[common_pb2.JobEvent]:
         """Events until the job ends; reconnects are the caller's (pass the last event_id)."""
         try:

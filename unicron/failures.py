@@ -17,6 +17,18 @@ class Action(Enum):
     REPORT = "report"
 
 
+# A remedy that keeps failing is replaced by the next heavier one; RECONFIGURE is the last.
+ESCALATION: tuple[Action, ...] = (Action.REATTEMPT, Action.RESTART, Action.RECONFIGURE)
+
+
+def escalate(action: Action) -> Action | None:
+    """The next heavier remedy, or None when there is none left (the job fails)."""
+    if action not in ESCALATION:
+        return None
+    index = ESCALATION.index(action)
+    return ESCALATION[index + 1] if index + 1 < len(ESCALATION) else None
+
+
 @dataclass(frozen=True)
 class FailureClass:
     kind: pb.FailureKind
@@ -35,6 +47,8 @@ TAXONOMY: dict[pb.FailureKind, FailureClass] = {
         FailureClass(
             pb.FAILURE_KIND_GPU_DRIVER_ERROR, pb.SEVERITY_SEV1, Action.RECONFIGURE, "GPU driver error or GPU lost"
         ),
+        FailureClass(pb.FAILURE_KIND_DISK_FULL, pb.SEVERITY_SEV1, Action.RECONFIGURE, "node disk full"),
+        FailureClass(pb.FAILURE_KIND_HOST_MEMORY_LOW, pb.SEVERITY_SEV1, Action.RECONFIGURE, "node host memory low"),
         FailureClass(pb.FAILURE_KIND_PROCESS_EXIT, pb.SEVERITY_SEV2, Action.RESTART, "process exited abnormally"),
         FailureClass(pb.FAILURE_KIND_ILLEGAL_MEMORY_ACCESS, pb.SEVERITY_SEV2, Action.RESTART, "illegal memory access"),
         FailureClass(pb.FAILURE_KIND_CUDA_ERROR, pb.SEVERITY_SEV2, Action.RESTART, "CUDA error"),
@@ -62,11 +76,11 @@ _PATTERNS: tuple[tuple[re.Pattern[str], pb.FailureKind], ...] = tuple(
         (r"illegal memory access", pb.FAILURE_KIND_ILLEGAL_MEMORY_ACCESS),
         (r"out of memory|\boom\b", pb.FAILURE_KIND_OUT_OF_MEMORY),
         (r"cuda error|cudaerror|cublas|cudnn", pb.FAILURE_KIND_CUDA_ERROR),
-        (r"timed out|timeout", pb.FAILURE_KIND_COLLECTIVE_TIMEOUT),
+        (r"timed out|timeout|diststoreerror", pb.FAILURE_KIND_COLLECTIVE_TIMEOUT),
         (r"connection refused", pb.FAILURE_KIND_CONNECTION_REFUSED),
         (r"connection reset|reset by peer|broken pipe|connection closed by peer", pb.FAILURE_KIND_CONNECTION_RESET),
         (r"link (is )?(down|flap)", pb.FAILURE_KIND_LINK_FLAPPING),
-        (r"gloo|nccl|socket|network", pb.FAILURE_KIND_NETWORK_ERROR),
+        (r"distnetworkerror|gloo|nccl|socket|network", pb.FAILURE_KIND_NETWORK_ERROR),
     )
 )
 
@@ -77,6 +91,14 @@ def classify_exception(exc: BaseException) -> pb.FailureKind:
         if pattern.search(text):
             return kind
     return pb.FAILURE_KIND_SOFTWARE_ERROR
+
+
+def classify(kind: pb.FailureKind) -> FailureClass:
+    return TAXONOMY.get(kind, TAXONOMY[pb.FAILURE_KIND_SOFTWARE_ERROR])
+
+
+def severity_name(severity: pb.Severity) -> str:
+    return pb.Severity.Name(severity).removeprefix("SEVERITY_")
 
 
 def kind_name(kind: pb.FailureKind) -> str:

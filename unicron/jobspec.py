@@ -3,6 +3,7 @@ coordinator applies (the CLI reuses it so users see errors before any RPC)."""
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -39,7 +40,9 @@ def _fill(message: Message, data: Any, path: str) -> None:
             raise InvalidArgument(where, f"unknown field (expected one of: {expected})")
         if value is None:
             continue
-        if field.type == FieldDescriptor.TYPE_MESSAGE:
+        if field.type == FieldDescriptor.TYPE_MESSAGE and field.message_type.GetOptions().map_entry:
+            _fill_map(getattr(message, field.name), field.message_type, value, where)
+        elif field.type == FieldDescriptor.TYPE_MESSAGE:
             _fill(getattr(message, field.name), value, where)
         elif field.type in _INTEGER_TYPES:
             if isinstance(value, bool) or not isinstance(value, int):
@@ -63,6 +66,20 @@ def _fill(message: Message, data: Any, path: str) -> None:
             setattr(message, field.name, value)
         else:  # pragma: no cover - the spec has no other field types
             raise InvalidArgument(where, "unsupported field type")
+
+
+def _fill_map(target: Any, entry: Any, data: Any, path: str) -> None:
+    """Maps of integer keys to numbers (the throughput profile)."""
+    if not isinstance(data, Mapping):
+        raise InvalidArgument(path, "must be a mapping")
+    key_type = entry.fields_by_name["key"].type
+    for key, value in data.items():
+        where = f"{path}[{key}]"
+        if key_type in _INTEGER_TYPES and (isinstance(key, bool) or not isinstance(key, int) or key < 0):
+            raise InvalidArgument(where, f"key must be a non-negative integer, got {key!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise InvalidArgument(where, f"must be a number, got {value!r}")
+        target[key] = float(value)
 
 
 def spec_from_dict(data: Any) -> common_pb2.JobSpec:
@@ -152,7 +169,32 @@ def validate(spec: common_pb2.JobSpec) -> None:
             "spec.training.global_batch_size",
             f"{train.global_batch_size} is not divisible by micro_batch_size x data ({train.micro_batch_size} x {dp})",
         )
-    _require(spec.weight > 0, "spec.weight", "must be positive")
+    _require(math.isfinite(spec.weight) and spec.weight > 0, "spec.weight", "must be a positive number")
+    _require(math.isfinite(train.learning_rate), "spec.training.learning_rate", "must be a finite number")
+    allowed = set(allowed_sizes(spec))
+    for size, flops in spec.throughput.items():
+        _require(
+            size in allowed,
+            f"spec.throughput[{size}]",
+            f"is not an allowed size (tensor x pipeline x data: {sorted(allowed)})",
+        )
+        _require(math.isfinite(flops) and flops > 0, f"spec.throughput[{size}]", "must be a positive FLOP/s value")
+
+
+def allowed_sizes(spec: common_pb2.JobSpec) -> list[int]:
+    par = spec.parallelism
+    return [par.tensor * par.pipeline * dp for dp in range(par.min_data, par.max_data + 1)]
+
+
+def model_parameters(model: common_pb2.ModelSpec) -> float:
+    """GPT parameter count (Megatron's formula: layers of attention and MLP with 4h FFN,
+    layer norms, untied input and output embeddings, learned positions)."""
+    layers, hidden, vocab, seq = model.num_layers, model.hidden_size, model.vocab_size, model.seq_length
+    return 12.0 * layers * hidden**2 + 13.0 * layers * hidden + (2 * vocab + seq) * hidden
+
+
+# fp32 parameters, gradients and Adam's two moments.
+STATE_BYTES_PER_PARAMETER = 16
 
 
 def world_size(spec: common_pb2.JobSpec, data_parallel: int | None = None) -> int:

@@ -39,6 +39,8 @@ class LocalCluster:
     planners: int = 2
     redis_url: str | None = None
     heartbeat_timeout_s: float = 3.0
+    fault_injection: bool = False
+    agent_args: list[str] = field(default_factory=list)
     extra_env: dict[str, str] = field(default_factory=dict)
     services: list[Service] = field(default_factory=list)
     _redis: LocalRedis | None = None
@@ -87,6 +89,8 @@ class LocalCluster:
                         str(self.run_dir / "agents"),
                         "--failure-domain",
                         f"rack-{i % 2}",
+                        "--fault-injection" if self.fault_injection else "--no-fault-injection",
+                        *self.agent_args,
                     ],
                     bind="127.0.0.1:0",
                 )

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.agent.agent import Agent, AgentSettings
+from services.agent.health import default_checks
+from services.agent.monitor import MonitorSettings
 from unicron import rpc
 from unicron.config import load_config, require
 from unicron.errors import UnicronError
@@ -25,6 +27,13 @@ class AgentConfig:
     failure_domain: str = ""
     work_dir: str = "run/agent"
     stop_grace_s: float = 5.0
+    fault_injection: bool = False
+    # Statistical monitoring (hangs, stragglers); off only to measure what it costs.
+    monitor: bool = True
+    health_period_s: float = 5.0
+    hang_k: float = 3.0
+    hang_floor_s: float = 2.0
+    hang_warmup_iterations: int = 3
     max_workers: int = 32
     log_level: str = "info"
 
@@ -35,6 +44,10 @@ class AgentConfig:
         require(self.slots >= 1, "slots", "must be at least 1")
         require(self.stop_grace_s >= 0, "stop_grace_s", "must not be negative")
         require(self.max_workers >= 4, "max_workers", "must be at least 4")
+        require(self.health_period_s > 0, "health_period_s", "must be positive")
+        require(self.hang_k > 1, "hang_k", "must exceed 1")
+        require(self.hang_floor_s > 0, "hang_floor_s", "must be positive")
+        require(self.hang_warmup_iterations >= 1, "hang_warmup_iterations", "must be at least 1")
 
 
 def main(argv: list[str]) -> int:
@@ -45,16 +58,27 @@ def main(argv: list[str]) -> int:
         return 2
     log = setup_logging("agent", config.log_level)
     setup_telemetry("agent")
+    work_dir = Path(config.work_dir) / config.node_id
+    work_dir.mkdir(parents=True, exist_ok=True)
     agent = Agent(
         AgentSettings(
             node_id=config.node_id,
             slots=config.slots,
             failure_domain=config.failure_domain,
-            work_dir=Path(config.work_dir) / config.node_id,
+            work_dir=work_dir,
             stop_grace_s=config.stop_grace_s,
+            fault_injection=config.fault_injection,
+            monitoring=config.monitor,
+            health_period_s=config.health_period_s,
+            monitor=MonitorSettings(
+                k=config.hang_k, floor_s=config.hang_floor_s, warmup_iterations=config.hang_warmup_iterations
+            ),
         ),
         config.coordinator,
+        health_checks=default_checks(str(work_dir)),
     )
+    if config.fault_injection:
+        log.warning("fault injection is ENABLED on this agent: faults can be injected into its trainers")
     try:
         server = rpc.Server(bind=config.bind, max_workers=config.max_workers)
     except UnicronError as exc:

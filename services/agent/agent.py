@@ -1,5 +1,7 @@
 """The node agent: registers with the coordinator, heartbeats, executes commands
-(start/stop trainers), and forwards what its trainers report."""
+(start/stop trainers, inject faults), and runs the node's detectors: process supervision
+(supervisor.py), exception propagation (trainers' reports over trainer_link.py),
+statistical monitoring of iteration times (monitor.py) and node health (health.py)."""
 
 from __future__ import annotations
 
@@ -7,28 +9,39 @@ import functools
 import logging
 import os
 import queue
+import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
 import grpc
+import psutil
 from google.protobuf import json_format
 
+from services.agent.health import HealthCheck, HealthFinding, run_checks
+from services.agent.monitor import Finding, JobMonitor, MonitorSettings, ReportRejected
 from services.agent.supervisor import Supervisor, WorkerExit, WorkerKey
-from services.agent.trainer_link import TrainerLink
-from unicron import rpc
+from services.agent.trainer_link import LinkHandlers, Rejected, TrainerLink
+from unicron import failures, rpc
 from unicron.retry import Backoff, retry
+from unicron.v1 import common_pb2, node_service_pb2_grpc, trainer_service_pb2
 from unicron.v1 import node_service_pb2 as pb
-from unicron.v1 import node_service_pb2_grpc, trainer_service_pb2
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 RPC_TIMEOUT_S = 5.0
 REPORT_BATCH_S = 0.2
+MONITOR_PERIOD_S = 0.25
+STACK_WAIT_S = 0.3
+STACK_BYTES = 16 * 1024
+
+
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 
 class _Retryable(Exception):
@@ -42,11 +55,22 @@ class AgentSettings:
     failure_domain: str
     work_dir: Path
     stop_grace_s: float = 5.0
+    fault_injection: bool = False
+    monitoring: bool = True
+    health_period_s: float = 5.0
+    monitor: MonitorSettings = field(default_factory=MonitorSettings)
     trainer_command: tuple[str, ...] = (sys.executable, "-m", "services.trainer")
 
 
+def _stamp(message: common_pb2.FailureReport, at: float) -> common_pb2.FailureReport:
+    message.first_seen.FromNanoseconds(int(at * 1e9))
+    return message
+
+
 class Agent:
-    def __init__(self, settings: AgentSettings, coordinator_address: str) -> None:
+    def __init__(
+        self, settings: AgentSettings, coordinator_address: str, health_checks: list[HealthCheck] | None = None
+    ) -> None:
         self.settings = settings
         self.address = ""
         self._stub = node_service_pb2_grpc.NodeServiceStub(rpc.channel(coordinator_address))
@@ -56,19 +80,36 @@ class Agent:
         self._command_cursor = ""
         self._reports: queue.Queue[pb.IterationReport] = queue.Queue()
         self._errors: dict[WorkerKey, str] = {}
+        self._monitors: dict[tuple[str, int], JobMonitor] = {}
+        self._monitors_lock = threading.Lock()
+        self._health_checks = health_checks or []
+        self._health_seen: set[tuple[common_pb2.FailureKind, str]] = set()
         self.supervisor = Supervisor(settings.work_dir, self._worker_exited)
-        self.link = TrainerLink(settings.node_id, self._reports.put, self._trainer_error)
+        self.link = TrainerLink(
+            settings.node_id,
+            LinkHandlers(
+                is_known=lambda key: key in self.supervisor.running(key.job_id),
+                on_iteration=self._trainer_iteration,
+                on_error=self._trainer_error,
+                on_fault_fired=self._fault_fired,
+            ),
+        )
         self._threads: list[threading.Thread] = []
 
     # ---- lifecycle --------------------------------------------------------------------
 
     def start(self, address: str) -> None:
         self.address = address
-        for target, name in (
+        loops = [
             (self._heartbeat_loop, "heartbeat"),
             (self._command_loop, "commands"),
             (self._report_loop, "reports"),
-        ):
+        ]
+        if self.settings.monitoring:
+            loops.append((self._monitor_loop, "monitor"))
+        if self._health_checks:
+            loops.append((self._health_loop, "health"))
+        for target, name in loops:
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
             self._threads.append(thread)
@@ -86,7 +127,8 @@ class Agent:
             try:
                 return fn()
             except grpc.RpcError as exc:
-                if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                # RESOURCE_EXHAUSTED: the coordinator's rate limit; backing off is the answer.
+                if exc.code() in RETRYABLE:
                     raise _Retryable(str(exc.code())) from exc
                 raise
 
@@ -99,12 +141,20 @@ class Agent:
             should_stop=self._stop.is_set,
         )
 
+    def _send(self, what: str, fn: Callable[[], object], deadline_s: float | None = 30.0) -> None:
+        """A report to the coordinator that must not take the calling thread down."""
+        try:
+            self._call(fn, deadline_s)
+        except (grpc.RpcError, _Retryable) as exc:
+            log.error("could not send %s", what, extra={"error": str(exc)[:300]})
+
     def _register(self) -> None:
         request = pb.RegisterNodeRequest(
             node_id=self.settings.node_id,
             address=self.address,
             slots=self.settings.slots,
             failure_domain=self.settings.failure_domain,
+            fault_injection=self.settings.fault_injection,
         )
         reply = self._call(lambda: self._stub.RegisterNode(request, timeout=RPC_TIMEOUT_S), deadline_s=None)
         self._heartbeat_s = reply.heartbeat_interval_seconds or 1.0
@@ -157,10 +207,25 @@ class Agent:
             while not self._reports.empty():
                 batch.append(self._reports.get_nowait())
             request = pb.ReportProgressRequest(node_id=self.settings.node_id, reports=batch)
-            try:
-                self._call(functools.partial(self._stub.ReportProgress, request, timeout=RPC_TIMEOUT_S))
-            except (grpc.RpcError, _Retryable) as exc:
-                log.warning("dropping progress reports", extra={"count": len(batch), "error": str(exc)[:200]})
+            self._send("progress reports", functools.partial(self._stub.ReportProgress, request, timeout=RPC_TIMEOUT_S))
+
+    def _monitor_loop(self) -> None:
+        while not self._stop.wait(MONITOR_PERIOD_S):
+            now = time.time()
+            with self._monitors_lock:
+                findings = [f for monitor in self._monitors.values() for f in monitor.check(now)]
+            for finding in findings:
+                self._report_finding(finding)
+
+    def _health_loop(self) -> None:
+        while not self._stop.wait(self.settings.health_period_s):
+            findings = run_checks(self._health_checks)
+            current = {(f.kind, f.check) for f in findings}
+            for finding in findings:
+                if (finding.kind, finding.check) not in self._health_seen:
+                    self._report_health(finding)
+            # A condition that clears re-arms its report.
+            self._health_seen = current
 
     # ---- commands ---------------------------------------------------------------------
 
@@ -172,9 +237,12 @@ class Agent:
             stop = command.stop_workers
             log.info("stopping job", extra={"job_id": stop.job_id, "reason": stop.reason})
             self.link.request_stop(stop.job_id, stop.reason)
+            self._forget_job(stop.job_id)
             threading.Thread(
                 target=self.supervisor.stop, args=(stop.job_id, self.settings.stop_grace_s), daemon=True
             ).start()
+        elif kind == "inject_fault":
+            self._inject(command.inject_fault)
         else:
             log.warning("ignoring unknown command", extra={"command_id": command.command_id})
 
@@ -182,6 +250,10 @@ class Agent:
         assignment = start.assignment
         ranks = [r for w in assignment.workers if w.node_id == self.settings.node_id for r in w.ranks]
         spec_json = json_format.MessageToJson(start.spec, indent=None)
+        with self._monitors_lock:
+            self._monitors[(start.job_id, assignment.generation)] = JobMonitor(
+                start.job_id, assignment.generation, ranks, self.settings.monitor, time.time()
+            )
         for rank in ranks:
             key = WorkerKey(start.job_id, assignment.generation, rank)
             if key in self.supervisor.running(start.job_id):
@@ -197,11 +269,133 @@ class Agent:
                     "UNICRON_TRAINER_MASTER_PORT": str(assignment.master_port),
                     "UNICRON_TRAINER_AGENT": self.address,
                     "UNICRON_TRAINER_SPEC": spec_json,
+                    "UNICRON_TRAINER_FAULT_INJECTION": "1" if self.settings.fault_injection else "0",
                 }
             )
             self.supervisor.launch(key, self.settings.trainer_command, env)
 
-    # ---- reports ----------------------------------------------------------------------
+    def _forget_job(self, job_id: str) -> None:
+        with self._monitors_lock:
+            for key in [k for k in self._monitors if k[0] == job_id]:
+                del self._monitors[key]
+
+    def _inject(self, inject: pb.InjectFault) -> None:
+        fault = inject.fault
+        if not self.settings.fault_injection:
+            log.warning("refusing fault injection: disabled on this agent", extra={"job_id": inject.job_id})
+            return
+        if fault.kind == common_pb2.FAULT_KIND_AGENT_LOSS:
+            request = pb.ReportFaultInjectedRequest(node_id=self.settings.node_id, job_id=inject.job_id, fault=fault)
+            request.injected.FromNanoseconds(time.time_ns())
+            self._send("fault report", lambda: self._stub.ReportFaultInjected(request, timeout=RPC_TIMEOUT_S), 5.0)
+            log.warning("injected fault: agent loss, dying now")
+            # Like a node dying: the agent goes at once, its trainers lose their agent.
+            os.kill(os.getpid(), signal.SIGKILL)
+            return
+        key = WorkerKey(inject.job_id, inject.generation, fault.rank)
+        if not self.link.send(key, trainer_service_pb2.ConnectResponse(inject=fault)):
+            log.warning("cannot inject: trainer not connected", extra={"job_id": inject.job_id, "rank": fault.rank})
+
+    # ---- what trainers and detectors report -------------------------------------------
+
+    def _trainer_iteration(self, key: WorkerKey, report: pb.IterationReport) -> None:
+        with self._monitors_lock:
+            monitor = self._monitors.get((key.job_id, key.generation))
+            if monitor is None:
+                raise Rejected(
+                    "FAILED_PRECONDITION", f"job {key.job_id} generation {key.generation} is not running here"
+                )
+            try:
+                monitor.observe(report.rank, report.iteration, report.seconds, report.compute_seconds, time.time())
+            except ReportRejected as exc:
+                raise Rejected("INVALID_ARGUMENT", str(exc)) from None
+        self._reports.put(report)
+
+    def _trainer_error(self, key: WorkerKey, error: trainer_service_pb2.TrainerError) -> None:
+        self._errors[key] = error.message
+        report = common_pb2.FailureReport(
+            job_id=key.job_id,
+            generation=key.generation,
+            rank=key.rank,
+            node_id=self.settings.node_id,
+            kind=error.kind,
+            source=common_pb2.DETECTION_SOURCE_EXCEPTION,
+            message=error.message,
+        )
+        if error.HasField("first_seen"):
+            report.first_seen.CopyFrom(error.first_seen)
+        else:
+            _stamp(report, time.time())
+        self._report(report)
+
+    def _fault_fired(self, key: WorkerKey, fired: trainer_service_pb2.FaultFired) -> None:
+        request = pb.ReportFaultInjectedRequest(
+            node_id=self.settings.node_id, job_id=key.job_id, fault=fired.fault, injected=fired.injected
+        )
+        self._send("fault report", lambda: self._stub.ReportFaultInjected(request, timeout=RPC_TIMEOUT_S))
+
+    def _report_finding(self, finding: Finding) -> None:
+        report = common_pb2.FailureReport(
+            job_id=finding.job_id,
+            generation=finding.generation,
+            node_id=self.settings.node_id,
+            kind=finding.kind,
+            source=common_pb2.DETECTION_SOURCE_STATISTICAL,
+            message=finding.message,
+            statistics=finding.evidence,
+        )
+        if finding.rank is not None:
+            report.rank = finding.rank
+        _stamp(report, finding.first_seen)
+        if finding.kind == common_pb2.FAILURE_KIND_TASK_HANG:
+            report.stack_trace = self._capture_stacks(finding.job_id)
+        self._report(report)
+
+    def _report_health(self, finding: HealthFinding) -> None:
+        report = common_pb2.FailureReport(
+            node_id=self.settings.node_id,
+            kind=finding.kind,
+            source=common_pb2.DETECTION_SOURCE_NODE_HEALTH,
+            message=f"{finding.check}: {finding.message}",
+            statistics=finding.evidence,
+        )
+        self._report(_stamp(report, time.time()))
+
+    def _report(self, report: common_pb2.FailureReport) -> None:
+        report.severity = failures.classify(report.kind).severity
+        request = pb.ReportFailureRequest(node_id=self.settings.node_id, report=report)
+        self._send("failure report", lambda: self._stub.ReportFailure(request, timeout=RPC_TIMEOUT_S))
+
+    def _capture_stacks(self, job_id: str) -> str:
+        """Stack traces of a hung job's local trainers, taken before anyone acts on the hang
+        (trainers dump them on SIGUSR1 through faulthandler). A stopped process cannot
+        answer, so its state is reported instead."""
+        pids = self.supervisor.pids(job_id)
+        sizes = {}
+        for key, pid in pids.items():
+            try:
+                sizes[key] = self.supervisor.stderr_path(key).stat().st_size
+                if psutil.Process(pid).status() != psutil.STATUS_STOPPED:
+                    os.kill(pid, signal.SIGUSR1)
+            except (OSError, psutil.Error):
+                pass
+        time.sleep(STACK_WAIT_S)
+        parts = []
+        for key, pid in pids.items():
+            try:
+                status = psutil.Process(pid).status()
+            except psutil.Error:
+                status = "gone"
+            text = ""
+            path = self.supervisor.stderr_path(key)
+            try:
+                with open(path, "rb") as err:
+                    err.seek(sizes.get(key, 0))
+                    text = err.read(STACK_BYTES).decode(errors="replace")
+            except OSError:
+                pass
+            parts.append(f"--- rank {key.rank} (pid {pid}, {status}) ---\n{text.strip() or '(no stack dumped)'}")
+        return "\n".join(parts)
 
     def _worker_exited(self, exit: WorkerExit) -> None:
         request = pb.ReportWorkerExitRequest(
@@ -214,25 +408,7 @@ class Agent:
             signal=exit.signal,
             stderr_tail=exit.stderr_tail,
         )
-        try:
-            self._call(lambda: self._stub.ReportWorkerExit(request, timeout=RPC_TIMEOUT_S), deadline_s=60.0)
-        except (grpc.RpcError, _Retryable) as exc:
-            log.error(
-                "could not report trainer exit",
-                extra={"job_id": exit.key.job_id, "rank": exit.key.rank, "error": str(exc)[:200]},
-            )
-
-    def _trainer_error(self, key: WorkerKey, error: trainer_service_pb2.TrainerError) -> None:
-        self._errors[key] = error.message
-        request = pb.ReportFailureRequest(
-            node_id=self.settings.node_id,
-            job_id=key.job_id,
-            generation=key.generation,
-            rank=key.rank,
-            kind=error.kind,
-            message=error.message,
-        )
-        try:
-            self._call(lambda: self._stub.ReportFailure(request, timeout=RPC_TIMEOUT_S))
-        except (grpc.RpcError, _Retryable) as exc:
-            log.error("could not report failure", extra={"job_id": key.job_id, "error": str(exc)[:200]})
+        request.exited.FromNanoseconds(int(exit.exited_at * 1e9))
+        if not self.supervisor.running(exit.key.job_id):
+            self._forget_job(exit.key.job_id)
+        self._send("trainer exit", lambda: self._stub.ReportWorkerExit(request, timeout=RPC_TIMEOUT_S), deadline_s=60.0)

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,7 @@ class WorkerExit:
     signal: int
     stderr_tail: str
     stopped_by_agent: bool
+    exited_at: float
 
 
 class Supervisor:
@@ -69,6 +71,7 @@ class Supervisor:
 
     def _wait(self, key: WorkerKey, proc: subprocess.Popen[bytes], err_path: Path) -> None:
         code = proc.wait()
+        exited_at = time.time()
         with self._lock:
             self._procs.pop(key, None)
             stopped = key in self._stopping
@@ -85,7 +88,14 @@ class Supervisor:
         log.info(
             "trainer exited", extra={"job_id": key.job_id, "rank": key.rank, "exit_code": exit_code, "signal": sig}
         )
-        self._on_exit(WorkerExit(key, exit_code, sig, tail, stopped))
+        self._on_exit(WorkerExit(key, exit_code, sig, tail, stopped, exited_at))
+
+    def pids(self, job_id: str) -> dict[WorkerKey, int]:
+        with self._lock:
+            return {k: p.pid for k, p in self._procs.items() if k.job_id == job_id}
+
+    def stderr_path(self, key: WorkerKey) -> Path:
+        return self._work_dir / key.job_id / f"gen{key.generation}-rank{key.rank}.err"
 
     def running(self, job_id: str | None = None) -> list[WorkerKey]:
         with self._lock:

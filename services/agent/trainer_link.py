@@ -1,5 +1,7 @@
 """The agent's side of the agent protocol: each trainer holds one Connect stream, over
-which it reports iterations and errors and receives stop requests."""
+which it reports iterations, errors and fired faults, and receives stop requests and
+faults to inject. Reports are checked and rate-limited here: a misbehaving trainer gets a
+`rejected` message and changes nothing, and cannot starve the agent."""
 
 from __future__ import annotations
 
@@ -7,45 +9,68 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import grpc
 
 from services.agent.supervisor import WorkerKey
-from unicron.v1 import node_service_pb2, trainer_service_pb2, trainer_service_pb2_grpc
+from unicron.ratelimit import KeyedLimiter
+from unicron.v1 import common_pb2, node_service_pb2, trainer_service_pb2_grpc
+from unicron.v1 import trainer_service_pb2 as pb
 
 log = logging.getLogger(__name__)
 
+# A trainer reports once per iteration; a few hundred a second is already a flood.
+REPORTS_PER_S = 200.0
+REPORT_BURST = 400.0
+
+
+class Rejected(Exception):
+    """A trainer message the agent refuses; code is a gRPC status code name."""
+
+    def __init__(self, code: str, reason: str) -> None:
+        super().__init__(reason)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class LinkHandlers:
+    is_known: Callable[[WorkerKey], bool]
+    on_iteration: Callable[[WorkerKey, node_service_pb2.IterationReport], None]  # may raise Rejected
+    on_error: Callable[[WorkerKey, pb.TrainerError], None]
+    on_fault_fired: Callable[[WorkerKey, pb.FaultFired], None]
+
 
 class TrainerLink(trainer_service_pb2_grpc.TrainerAgentServiceServicer):
-    def __init__(
-        self,
-        node_id: str,
-        on_iteration: Callable[[node_service_pb2.IterationReport], None],
-        on_error: Callable[[WorkerKey, trainer_service_pb2.TrainerError], None],
-    ) -> None:
+    def __init__(self, node_id: str, handlers: LinkHandlers) -> None:
         self._node_id = node_id
-        self._on_iteration = on_iteration
-        self._on_error = on_error
+        self._handlers = handlers
+        self._limiter = KeyedLimiter(REPORTS_PER_S, REPORT_BURST)
         self._lock = threading.Lock()
-        self._outboxes: dict[WorkerKey, queue.Queue[trainer_service_pb2.ConnectResponse | None]] = {}
+        self._outboxes: dict[WorkerKey, queue.Queue[pb.ConnectResponse | None]] = {}
 
     def Connect(
-        self, request_iterator: Iterator[trainer_service_pb2.ConnectRequest], context: grpc.ServicerContext
-    ) -> Iterator[trainer_service_pb2.ConnectResponse]:
+        self, request_iterator: Iterator[pb.ConnectRequest], context: grpc.ServicerContext
+    ) -> Iterator[pb.ConnectResponse]:
         first = next(request_iterator, None)
         if first is None or not first.HasField("hello"):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "hello: the first message must be a hello")
             return
         hello = first.hello
         key = WorkerKey(hello.job_id, hello.generation, hello.rank)
-        outbox: queue.Queue[trainer_service_pb2.ConnectResponse | None] = queue.Queue()
+        if not self._handlers.is_known(key):
+            context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"no trainer of job {hello.job_id} generation {hello.generation} rank {hello.rank} runs here",
+            )
+            return
+        outbox: queue.Queue[pb.ConnectResponse | None] = queue.Queue()
         with self._lock:
             self._outboxes[key] = outbox
-        outbox.put(trainer_service_pb2.ConnectResponse(welcome=trainer_service_pb2.AgentWelcome(node_id=self._node_id)))
-        reader = threading.Thread(
+        outbox.put(pb.ConnectResponse(welcome=pb.AgentWelcome(node_id=self._node_id)))
+        threading.Thread(
             target=self._read, args=(key, request_iterator, outbox), daemon=True, name=f"link-{hello.rank}"
-        )
-        reader.start()
+        ).start()
         try:
             while context.is_active():
                 try:
@@ -59,32 +84,66 @@ class TrainerLink(trainer_service_pb2_grpc.TrainerAgentServiceServicer):
             with self._lock:
                 if self._outboxes.get(key) is outbox:
                     del self._outboxes[key]
+            self._limiter.forget(str(key))
 
     def _read(
         self,
         key: WorkerKey,
-        request_iterator: Iterator[trainer_service_pb2.ConnectRequest],
-        outbox: queue.Queue[trainer_service_pb2.ConnectResponse | None],
+        request_iterator: Iterator[pb.ConnectRequest],
+        outbox: queue.Queue[pb.ConnectResponse | None],
     ) -> None:
+        last_refusal = ""
         try:
             for message in request_iterator:
-                kind = message.WhichOneof("message")
-                if kind == "iteration":
-                    self._on_iteration(message.iteration)
-                elif kind == "error":
-                    self._on_error(key, message.error)
-                elif kind == "finished":
-                    log.info("trainer finished", extra={"job_id": key.job_id, "rank": key.rank})
+                try:
+                    self._handle(key, message)
+                    last_refusal = ""
+                except Rejected as exc:
+                    # Say it once per run of refusals, not once per flooded message.
+                    if exc.code != last_refusal:
+                        outbox.put(pb.ConnectResponse(rejected=pb.Rejected(code=exc.code, reason=str(exc))))
+                        log.warning(
+                            "trainer message rejected",
+                            extra={"job_id": key.job_id, "rank": key.rank, "reason": str(exc)},
+                        )
+                    last_refusal = exc.code
         except grpc.RpcError:
             pass  # the trainer went away; its exit status is reported by the supervisor
         finally:
             outbox.put(None)
 
+    def _handle(self, key: WorkerKey, message: pb.ConnectRequest) -> None:
+        if not self._limiter.allow(str(key)):
+            raise Rejected("RESOURCE_EXHAUSTED", f"more than {REPORTS_PER_S:g} messages per second")
+        kind = message.WhichOneof("message")
+        if kind == "iteration":
+            report = message.iteration
+            if (report.job_id, report.generation, report.rank) != (key.job_id, key.generation, key.rank):
+                raise Rejected("INVALID_ARGUMENT", "iteration: reports may only be about the sending trainer")
+            self._handlers.on_iteration(key, report)
+        elif kind == "error":
+            if message.error.kind not in common_pb2.FailureKind.values():
+                raise Rejected("INVALID_ARGUMENT", f"error.kind: unknown failure kind {message.error.kind}")
+            self._handlers.on_error(key, message.error)
+        elif kind == "fault_fired":
+            self._handlers.on_fault_fired(key, message.fault_fired)
+        elif kind == "finished":
+            log.info("trainer finished", extra={"job_id": key.job_id, "rank": key.rank})
+        else:
+            raise Rejected("INVALID_ARGUMENT", "message: a hello may only be sent first")
+
+    def send(self, key: WorkerKey, message: pb.ConnectResponse) -> bool:
+        with self._lock:
+            box = self._outboxes.get(key)
+        if box is not None:
+            box.put(message)
+        return box is not None
+
     def request_stop(self, job_id: str, reason: str) -> None:
         with self._lock:
             targets = [box for key, box in self._outboxes.items() if key.job_id == job_id]
         for box in targets:
-            box.put(trainer_service_pb2.ConnectResponse(stop=trainer_service_pb2.AgentStop(reason=reason)))
+            box.put(pb.ConnectResponse(stop=pb.AgentStop(reason=reason)))
 
     def connected(self) -> list[WorkerKey]:
         with self._lock:

@@ -4,21 +4,33 @@ reports from agents and the reconcile loop (observe -> decide -> act)."""
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from services.coordinator import decide, state
+from services.coordinator import decide, incidents, state
 from services.coordinator.planner_client import PlannerClient
-from services.coordinator.store import JobWrite, Store, new_job_id
-from unicron import jobspec, redisutil
-from unicron.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable, UnicronError
+from services.coordinator.store import JobWrite, Store, new_incident_id, new_job_id
+from unicron import failures, jobspec, redisutil
+from unicron.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+    UnicronError,
+)
+from unicron.ratelimit import KeyedLimiter
 from unicron.v1 import common_pb2, node_service_pb2, planner_service_pb2
 
 log = logging.getLogger(__name__)
 
 EventType = common_pb2.JobEventType
+
+# An agent batches its trainers' reports every 0.2 s; this leaves room for bursts.
+REPORTS_PER_NODE_PER_S = 100.0
 
 
 @dataclass(frozen=True)
@@ -47,6 +59,10 @@ def _stop_commands(job: common_pb2.Job, reason: str, skip: str = "") -> list[tup
     ]
 
 
+class _NoOpenIncident(Exception):
+    pass
+
+
 def _last_line(text: str, limit: int = 300) -> str:
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
     return lines[-1][:limit] if lines else ""
@@ -65,6 +81,7 @@ class Coordinator:
         self.settings = settings
         self.clock = clock
         self._started_at = clock()
+        self._report_limiter = KeyedLimiter(REPORTS_PER_NODE_PER_S, REPORTS_PER_NODE_PER_S * 2)
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._loop: threading.Thread | None = None
@@ -142,7 +159,9 @@ class Coordinator:
 
     # ---- nodes ------------------------------------------------------------------------
 
-    def register_node(self, node_id: str, address: str, slots: int, failure_domain: str) -> tuple[common_pb2.Node, str]:
+    def register_node(
+        self, node_id: str, address: str, slots: int, failure_domain: str, fault_injection: bool = False
+    ) -> tuple[common_pb2.Node, str]:
         if not node_id:
             raise InvalidArgument("node_id", "is required")
         if not address or ":" not in address:
@@ -157,6 +176,7 @@ class Coordinator:
             slots=slots,
             state=common_pb2.NODE_STATE_READY,
             failure_domain=failure_domain,
+            fault_injection=fault_injection,
         )
         if previous is not None:
             node.registered.CopyFrom(previous.registered)
@@ -193,18 +213,34 @@ class Coordinator:
 
     # ---- reports from agents ----------------------------------------------------------
 
-    def report_progress(self, reports: list[node_service_pb2.IterationReport]) -> None:
+    def admit_report(self, node_id: str) -> None:
+        """Rate limit per node, so one misbehaving agent cannot starve the others."""
+        if not node_id:
+            raise InvalidArgument("node_id", "is required")
+        if not self._report_limiter.allow(node_id):
+            raise ResourceExhausted(f"node {node_id} sends reports faster than {REPORTS_PER_NODE_PER_S:g}/s")
+
+    def report_progress(self, node_id: str, reports: list[node_service_pb2.IterationReport]) -> None:
+        """Validates the whole batch first, so a bad report changes nothing."""
+        self.admit_report(node_id)
+        jobs: dict[str, common_pb2.Job] = {}
+        for i, report in enumerate(reports):
+            for name in ("seconds", "flops", "compute_seconds"):
+                value = getattr(report, name)
+                if not math.isfinite(value) or value < 0:
+                    raise InvalidArgument(f"reports[{i}].{name}", f"must be a finite non-negative number, got {value}")
+            if report.iteration == 0:
+                raise InvalidArgument(f"reports[{i}].iteration", "iterations count from 1")
+            if report.job_id not in jobs:
+                jobs[report.job_id] = self.store.get_job(report.job_id)
         for report in reports:
             # Every rank reports; the loss is already averaged over data-parallel ranks, so
             # rank 0 speaks for the job.
-            if report.rank != 0:
+            job = jobs[report.job_id]
+            if report.rank != 0 or job.assignment.generation != report.generation or state.is_terminal(job.state):
                 continue
-            try:
-                job = self.store.get_job(report.job_id)
-            except NotFound:
-                continue
-            if job.assignment.generation != report.generation or state.is_terminal(job.state):
-                continue
+            if report.iteration <= job.progress.iteration:
+                continue  # a duplicate from a retried batch, or out of order: progress never goes back
             now = self.clock()
             if job.state == state.SCHEDULED:
                 job = self._move(job.job_id, state.RUNNING, "training", only_from={state.SCHEDULED}) or job
@@ -222,21 +258,30 @@ class Coordinator:
                 progress,
                 event(job, EventType.JOB_EVENT_TYPE_PROGRESS, now, message, progress=progress),
             )
+            job.progress.CopyFrom(progress)
 
-    def report_failure(self, request: node_service_pb2.ReportFailureRequest) -> None:
-        if not request.job_id:
-            log.warning("node failure reported", extra={"node_id": request.node_id, "kind": request.kind})
-            return
-        try:
-            job = self.store.get_job(request.job_id)
-        except NotFound:
-            return
-        kind = common_pb2.FailureKind.Name(request.kind)
-        message = f"rank {request.rank} on {request.node_id}: {kind.removeprefix('FAILURE_KIND_')}: {request.message}"
-        self.store.append_event(
-            job.job_id,
-            event(job, EventType.JOB_EVENT_TYPE_FAILURE, self.clock(), message, failure_kind=request.kind),
-        )
+    def report_failure(self, node_id: str, report: common_pb2.FailureReport) -> common_pb2.Incident | None:
+        """Records a classified report from an agent; returns its incident, or None for a
+        report about a job generation that is already over (stale, not an error)."""
+        self.admit_report(node_id)
+        if report.kind == common_pb2.FAILURE_KIND_UNSPECIFIED:
+            raise InvalidArgument("report.kind", "is required")
+        if report.kind not in common_pb2.FailureKind.values():
+            raise InvalidArgument("report.kind", f"unknown failure kind {report.kind}")
+        if not node_id or (report.node_id and report.node_id != node_id):
+            raise InvalidArgument("report.node_id", "must name the reporting node")
+        if self.store.get_node(node_id) is None:
+            raise NotFound(f"node {node_id!r} is not registered")
+        stamped = common_pb2.FailureReport()
+        stamped.CopyFrom(report)
+        stamped.node_id = node_id
+        if report.job_id:
+            job = self.store.get_job(report.job_id)
+            if job.assignment.generation != report.generation or state.is_terminal(job.state):
+                # Late evidence of an incident that already ended the job still joins it;
+                # it never opens a new one.
+                return self._record(stamped, create=False)
+        return self._record(stamped)
 
     def report_worker_exit(self, request: node_service_pb2.ReportWorkerExitRequest) -> None:
         try:
@@ -248,12 +293,117 @@ class Coordinator:
         code = -request.signal if request.signal else request.exit_code
         exits = self.store.record_exit(job.job_id, request.generation, request.rank, code)
         if code != 0:
-            how = f"signal {request.signal}" if request.signal else f"exit code {request.exit_code}"
-            detail = request.error or _last_line(request.stderr_tail)
-            reason = f"rank {request.rank} on {request.node_id} ended with {how}" + (f": {detail}" if detail else "")
-            self._move(job.job_id, state.FAILED, reason, only_from=state.ACTIVE, stop_workers=True)
+            exited = request.exited.ToNanoseconds() / 1e9 if request.HasField("exited") else self.clock()
+            self._record(
+                incidents.worker_exit_report(
+                    request.node_id,
+                    job.job_id,
+                    request.generation,
+                    request.rank,
+                    request.exit_code,
+                    request.signal,
+                    request.error or _last_line(request.stderr_tail),
+                    exited,
+                )
+            )
         elif len(exits) == job.assignment.world_size and all(c == 0 for c in exits.values()):
             self._move(job.job_id, state.SUCCEEDED, f"all {len(exits)} ranks finished", only_from=state.ACTIVE)
+
+    def report_fault_injected(self, request: node_service_pb2.ReportFaultInjectedRequest) -> None:
+        try:
+            job = self.store.get_job(request.job_id)
+        except NotFound:
+            return
+        fault = request.fault
+        at = request.injected.ToNanoseconds() / 1e9 if request.HasField("injected") else self.clock()
+        name = common_pb2.FaultKind.Name(fault.kind).removeprefix("FAULT_KIND_").lower()
+        message = f"fault {name} injected on rank {fault.rank} ({request.node_id})"
+        self.store.append_event(job.job_id, event(job, EventType.JOB_EVENT_TYPE_FAULT_INJECTED, at, message))
+
+    def inject_fault(self, job_id: str, fault: common_pb2.Fault) -> str:
+        """Sends a fault to the agent of the rank it targets; returns that node's id."""
+        if fault.kind == common_pb2.FAULT_KIND_UNSPECIFIED or fault.kind not in common_pb2.FaultKind.values():
+            raise InvalidArgument("fault.kind", "is required")
+        if (
+            fault.kind == common_pb2.FAULT_KIND_EXCEPTION
+            and fault.exception_kind == common_pb2.FAILURE_KIND_UNSPECIFIED
+        ):
+            raise InvalidArgument("fault.exception_kind", "is required for an exception fault")
+        if fault.kind == common_pb2.FAULT_KIND_SLOW and not (0 < fault.delay_seconds <= 3600):
+            raise InvalidArgument("fault.delay_seconds", "must be in (0, 3600] for a slow fault")
+        job = self.get(job_id)
+        if job.state not in state.ACTIVE:
+            raise FailedPrecondition(f"job {job.job_id} is {state.state_name(job.state).lower()}, not running")
+        if fault.rank >= job.assignment.world_size:
+            raise InvalidArgument("fault.rank", f"must be below the job's world size {job.assignment.world_size}")
+        node_id = next(w.node_id for w in job.assignment.workers if fault.rank in w.ranks)
+        node = self.store.get_node(node_id)
+        if node is None or not node.fault_injection:
+            raise FailedPrecondition(
+                f"fault injection is disabled on node {node_id} (start its agent with --fault-injection)"
+            )
+        command = node_service_pb2.NodeCommand(
+            inject_fault=node_service_pb2.InjectFault(
+                job_id=job.job_id, generation=job.assignment.generation, fault=fault
+            )
+        )
+        self.store.append_command(node_id, command)
+        log.info("fault sent", extra={"job_id": job.job_id, "node_id": node_id, "fault": str(fault).replace("\n", " ")})
+        return node_id
+
+    def list_incidents(self, job_id: str = "") -> list[common_pb2.Incident]:
+        return self.store.list_incidents(self.get(job_id).job_id if job_id else "")
+
+    def _record(self, report: common_pb2.FailureReport, create: bool = True) -> common_pb2.Incident | None:
+        """Adds a report to its incident; a new incident of a job is announced on the job's
+        event log and, until the self-healing loop exists, ends the job. With create=False
+        a report only joins an open incident (None when there is none)."""
+        now = self.clock()
+        key = incidents.incident_key(report)
+
+        def update(current: common_pb2.Incident | None) -> common_pb2.Incident:
+            open_incident = current if current is not None and incidents.is_open(current, now) else None
+            if open_incident is None and not create:
+                raise _NoOpenIncident
+            return incidents.merge(open_incident, report, now, new_incident_id())
+
+        try:
+            incident, created = self.store.upsert_incident(key, update)
+        except _NoOpenIncident:
+            return None
+        log.warning(
+            "failure reported",
+            extra={
+                "incident": incident.incident_id,
+                "new": created,
+                "kind": failures.kind_name(report.kind),
+                "job_id": report.job_id,
+                "node_id": report.node_id,
+            },
+        )
+        if not created or not incident.job_id:
+            return incident
+        job = self.store.get_job(incident.job_id)
+        failure = event(job, EventType.JOB_EVENT_TYPE_FAILURE, now, incident.summary, failure_kind=incident.kind)
+        failure.incident_id = incident.incident_id
+        self.store.append_event(job.job_id, failure)
+        if incidents.ends_the_job(incident):
+            skip = report.node_id if report.kind == common_pb2.FAILURE_KIND_NODE_LOST else ""
+            if self._move(
+                job.job_id, state.FAILED, incident.summary, only_from=state.ACTIVE, stop_workers=True, skip_node=skip
+            ):
+                self._set_action(key, incident.incident_id, "job failed")
+        return incident
+
+    def _set_action(self, key: str, incident_id: str, action: str) -> None:
+        def update(current: common_pb2.Incident | None) -> common_pb2.Incident:
+            assert current is not None and current.incident_id == incident_id
+            out = common_pb2.Incident()
+            out.CopyFrom(current)
+            out.action_taken = action
+            return out
+
+        self.store.upsert_incident(key, update)
 
     # ---- reconcile loop ---------------------------------------------------------------
 
@@ -281,26 +431,27 @@ class Coordinator:
     def reconcile_once(self) -> None:
         now = self.clock()
         nodes = self.store.list_nodes()
+        by_id = {node.node_id: node for node in nodes}
         for node_id in decide.lost_nodes(now, nodes, self.settings.heartbeat_timeout_s, self._started_at):
-            self._lose_node(node_id)
+            self._lose_node(by_id[node_id])
         jobs = self.store.list_jobs()
         if any(job.state == state.PENDING for job in jobs):
             self._schedule(jobs, self.store.list_nodes())
 
-    def _lose_node(self, node_id: str) -> None:
-        if not self.store.set_node_state(node_id, common_pb2.NODE_STATE_LOST, expected=common_pb2.NODE_STATE_READY):
+    def _lose_node(self, node: common_pb2.Node) -> None:
+        if not self.store.set_node_state(
+            node.node_id, common_pb2.NODE_STATE_LOST, expected=common_pb2.NODE_STATE_READY
+        ):
             return
-        log.warning("node lost: no heartbeat", extra={"node_id": node_id})
+        timeout = self.settings.heartbeat_timeout_s
+        last = max(node.last_heartbeat.ToNanoseconds() / 1e9, self._started_at)
+        self._record(incidents.node_lost_report(node.node_id, "", 0, last, timeout))
         for job in self.store.list_jobs():
-            if job.state in state.ACTIVE and node_id in decide.nodes_of(job):
-                self._move(
-                    job.job_id,
-                    state.FAILED,
-                    f"node {node_id} lost (no heartbeat for {self.settings.heartbeat_timeout_s:g}s)",
-                    only_from=state.ACTIVE,
-                    stop_workers=True,
-                    skip_node=node_id,
-                )
+            if node.node_id in decide.nodes_of(job):
+                # A job that other ranks' errors already ended gets the node loss as the
+                # root cause of its incident; a running one gets a new incident.
+                report = incidents.node_lost_report(node.node_id, job.job_id, job.assignment.generation, last, timeout)
+                self._record(report, create=job.state in state.ACTIVE)
 
     def _schedule(self, jobs: list[common_pb2.Job], nodes: list[common_pb2.Node]) -> None:
         request = decide.plan_request(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 
 from services.coordinator import state
+from unicron import jobspec
 from unicron.v1 import common_pb2, planner_service_pb2
 
 
@@ -74,7 +75,13 @@ def plan_request(
             max_data_parallel=par.max_data,
             preemptible=job.state == state.PENDING,
             pinned=job.state in state.ACTIVE,
+            throughput=dict(job.spec.throughput),
         )
+        parameters = jobspec.model_parameters(job.spec.model)
+        if not job.spec.throughput:
+            plan_job.estimate.parameters = parameters
+            plan_job.estimate.tokens_per_step = job.spec.training.global_batch_size * job.spec.model.seq_length
+        plan_job.transition.state_bytes = parameters * jobspec.STATE_BYTES_PER_PARAMETER
         if job.state in state.ACTIVE:
             for node_id, count in slots_by_node(job).items():
                 plan_job.current[node_id] = count

@@ -47,6 +47,20 @@ class JobServicer(job_service_pb2_grpc.JobServiceServicer):
     def ListNodes(self, request: jobs_pb.ListNodesRequest, context: grpc.ServicerContext) -> jobs_pb.ListNodesResponse:
         return jobs_pb.ListNodesResponse(nodes=self._coordinator.nodes())
 
+    @grpc_errors
+    def ListIncidents(
+        self, request: jobs_pb.ListIncidentsRequest, context: grpc.ServicerContext
+    ) -> jobs_pb.ListIncidentsResponse:
+        return jobs_pb.ListIncidentsResponse(incidents=self._coordinator.list_incidents(request.job_id))
+
+    @grpc_errors
+    def InjectFault(
+        self, request: jobs_pb.InjectFaultRequest, context: grpc.ServicerContext
+    ) -> jobs_pb.InjectFaultResponse:
+        if not request.HasField("fault"):
+            raise InvalidArgument("fault", "is required")
+        return jobs_pb.InjectFaultResponse(node_id=self._coordinator.inject_fault(request.job_id, request.fault))
+
 
 class NodeServicer(node_service_pb2_grpc.NodeServiceServicer):
     def __init__(self, coordinator: Coordinator) -> None:
@@ -57,7 +71,7 @@ class NodeServicer(node_service_pb2_grpc.NodeServiceServicer):
         self, request: nodes_pb.RegisterNodeRequest, context: grpc.ServicerContext
     ) -> nodes_pb.RegisterNodeResponse:
         node, last_command = self._coordinator.register_node(
-            request.node_id, request.address, request.slots, request.failure_domain
+            request.node_id, request.address, request.slots, request.failure_domain, request.fault_injection
         )
         return nodes_pb.RegisterNodeResponse(
             node=node,
@@ -75,14 +89,16 @@ class NodeServicer(node_service_pb2_grpc.NodeServiceServicer):
     def ReportProgress(
         self, request: nodes_pb.ReportProgressRequest, context: grpc.ServicerContext
     ) -> nodes_pb.ReportProgressResponse:
-        self._coordinator.report_progress(list(request.reports))
+        self._coordinator.report_progress(request.node_id, list(request.reports))
         return nodes_pb.ReportProgressResponse()
 
     @grpc_errors
     def ReportFailure(
         self, request: nodes_pb.ReportFailureRequest, context: grpc.ServicerContext
     ) -> nodes_pb.ReportFailureResponse:
-        self._coordinator.report_failure(request)
+        if not request.HasField("report"):
+            raise InvalidArgument("report", "is required")
+        self._coordinator.report_failure(request.node_id, request.report)
         return nodes_pb.ReportFailureResponse()
 
     @grpc_errors
@@ -91,6 +107,13 @@ class NodeServicer(node_service_pb2_grpc.NodeServiceServicer):
     ) -> nodes_pb.ReportWorkerExitResponse:
         self._coordinator.report_worker_exit(request)
         return nodes_pb.ReportWorkerExitResponse()
+
+    @grpc_errors
+    def ReportFaultInjected(
+        self, request: nodes_pb.ReportFaultInjectedRequest, context: grpc.ServicerContext
+    ) -> nodes_pb.ReportFaultInjectedResponse:
+        self._coordinator.report_fault_injected(request)
+        return nodes_pb.ReportFaultInjectedResponse()
 
     @grpc_errors
     def StreamCommands(

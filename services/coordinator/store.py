@@ -22,6 +22,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 PREFIX = "unicron:"
 JOBS_INDEX = PREFIX + "jobs"
 NODES_INDEX = PREFIX + "nodes"
+INCIDENTS_INDEX = PREFIX + "incidents"
 CAS_ATTEMPTS = 20
 EVENT_FIELD = b"e"
 
@@ -44,6 +45,14 @@ def _exits_key(job_id: str) -> str:
 
 def _events_key(job_id: str) -> str:
     return f"{PREFIX}job:{job_id}:events"
+
+
+def _incident_key(incident_id: str) -> str:
+    return f"{PREFIX}incident:{incident_id}"
+
+
+def _job_incidents_key(job_id: str) -> str:
+    return f"{PREFIX}job:{job_id}:incidents"
 
 
 def _node_key(node_id: str) -> str:
@@ -205,6 +214,51 @@ class Store:
             for event_id, payload in self._read_stream(_events_key(job_id), after_id, block_ms)
         ]
 
+    # ---- incidents --------------------------------------------------------------------
+
+    @redis_errors
+    def upsert_incident(
+        self, key: str, update: Callable[[common_pb2.Incident | None], common_pb2.Incident]
+    ) -> tuple[common_pb2.Incident, bool]:
+        """Compare-and-set on the incident open under `key`: update(None) creates one,
+        update(existing) extends it. Returns the stored incident and whether it is new."""
+        pointer = f"{PREFIX}incidentkey:{key}"
+        for _ in range(CAS_ATTEMPTS):
+            with self._redis.pipeline() as pipe:
+                try:
+                    pipe.watch(pointer)
+                    incident_id = pipe.get(pointer)
+                    current = None
+                    if incident_id is not None:
+                        raw = pipe.get(_incident_key(incident_id.decode()))
+                        current = common_pb2.Incident.FromString(raw) if raw is not None else None
+                    incident = update(current)
+                    created = current is None or current.incident_id != incident.incident_id
+                    pipe.multi()
+                    pipe.set(_incident_key(incident.incident_id), incident.SerializeToString())
+                    if created:
+                        pipe.set(pointer, incident.incident_id)
+                        score = incident.detected.ToNanoseconds()
+                        pipe.zadd(INCIDENTS_INDEX, {incident.incident_id: score})
+                        if incident.job_id:
+                            pipe.zadd(_job_incidents_key(incident.job_id), {incident.incident_id: score})
+                    pipe.execute()
+                    return incident, created
+                except redis.WatchError:
+                    continue
+        raise Conflict(f"incident {key}: too many concurrent updates")
+
+    @redis_errors
+    def set_incident(self, incident: common_pb2.Incident) -> None:
+        self._redis.set(_incident_key(incident.incident_id), incident.SerializeToString())
+
+    @redis_errors
+    def list_incidents(self, job_id: str = "", limit: int = 200) -> list[common_pb2.Incident]:
+        index = _job_incidents_key(job_id) if job_id else INCIDENTS_INDEX
+        ids = [raw.decode() for raw in self._redis.zrevrange(index, 0, limit - 1)]
+        raws = self._redis.mget([_incident_key(i) for i in ids]) if ids else []
+        return [common_pb2.Incident.FromString(raw) for raw in raws if raw is not None]
+
     # ---- nodes ------------------------------------------------------------------------
 
     @redis_errors
@@ -268,6 +322,11 @@ class Store:
             except redis.WatchError:
                 return False
 
+    @redis_errors
+    def append_command(self, node_id: str, command: node_service_pb2.NodeCommand) -> str:
+        command_id: bytes = self._redis.xadd(_commands_key(node_id), {EVENT_FIELD: command.SerializeToString()})
+        return command_id.decode()
+
     def last_command_id(self, node_id: str) -> str:
         return self._last_id(_commands_key(node_id))
 
@@ -297,3 +356,7 @@ class Store:
 
 def new_job_id() -> str:
     return f"job-{time.strftime('%Y%m%d')}-{uuid.uuid4().hex[:8]}"
+
+
+def new_incident_id() -> str:
+    return f"inc-{uuid.uuid4().hex[:10]}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from services.planner.server import PlannerServicer
+from services.planner.server import Limits, PlannerServicer
 from unicron import rpc
 from unicron.config import load_config, require
 from unicron.errors import UnicronError
@@ -19,6 +19,8 @@ class PlannerConfig:
     bind: str = "127.0.0.1:50061"
     time_limit_s: float = 2.0
     solver_workers: int = 1
+    max_jobs: int = 4096
+    max_nodes: int = 16384
     max_workers: int = 8
     log_level: str = "info"
 
@@ -27,6 +29,8 @@ class PlannerConfig:
         require(self.time_limit_s > 0, "time_limit_s", "must be positive")
         require(self.solver_workers >= 1, "solver_workers", "must be at least 1")
         require(self.max_workers >= 1, "max_workers", "must be at least 1")
+        require(self.max_jobs >= 1, "max_jobs", "must be at least 1")
+        require(self.max_nodes >= 1, "max_nodes", "must be at least 1")
 
 
 def main(argv: list[str]) -> int:
@@ -44,7 +48,14 @@ def main(argv: list[str]) -> int:
         return 1
     server.add(
         planner_service_pb2_grpc.add_PlannerServiceServicer_to_server,
-        PlannerServicer(config.time_limit_s, config.solver_workers),
+        PlannerServicer(
+            Limits(
+                max_jobs=config.max_jobs,
+                max_nodes=config.max_nodes,
+                default_time_limit_s=config.time_limit_s,
+                workers=config.solver_workers,
+            )
+        ),
         "unicron.v1.PlannerService",
     )
     server.install_signal_handlers()

@@ -2,35 +2,112 @@
 
 A plan gives every job a size x (GPU slots) and a placement (slots per node). Its value is
 
-    sum_t F(t, x_t) * D_run - [changed_t] * F(t, x_t) * D_trans(t),    F(t, x) = w(t) * T(t, x)
+    sum_t F(t, x_t) * (D_run - D_trans(t, kind_t)),    F(t, x) = w(t) * T(t, x)
 
-in weighted FLOPs: what the cluster achieves until the next expected failure, less the work lost
-while changed jobs transition. ``score`` computes it for any plan; the solver maximizes it.
+in weighted FLOPs: what the cluster achieves until the next expected failure (the horizon
+D_run), less the work lost while jobs transition. ``score`` computes it for any plan; the solver
+maximizes it.
+
+Transition kinds (``transition_kind``). What a job pays follows from its current and new
+placement alone:
+
+  paused        the new placement is empty: F = 0, nothing is earned or paid;
+  none          kept exactly as it is and not hit by the failure;
+  "restart"     kept exactly as it is but hit: the job restarts in place;
+  "resize"      changed, but every node it will use already holds it (a shrink onto the nodes
+                it has left, a regrowth there, a reshuffle among its own nodes);
+  "migrate"     it gains a node it did not use: a move, a growth onto new nodes, or a start
+                (a stopped job has no nodes, so every node is new).
+
+``Transition.seconds(kind)`` gives D_trans. The kinds nest (a resize can always be done the
+migrate way, a restart the resize way), so each costs at most what a more general kind costs:
+seconds("restart") = min(restart, resize, migrate), seconds("resize") = min(resize, migrate).
+The solver relies on that order; it makes "keep" never worse than "resize", nor "resize" than
+"migrate", for the same size.
+
+Size-only objective (the paper's problem, no placement; ``size_only_value``). The cluster is a
+pool of the healthy nodes' slots; a job picks a size x from ``allowed_sizes`` or 0 (pause, if
+preemptible), a pinned job keeps its current size, and the sizes must fit in the pool. A job's
+value at x is F(t, x) * (D_run - D_trans) with the kind taken from sizes alone: paused at 0;
+none (kept) or restart (kept but hit) when x is the current size and the placement can be
+reused in place (``placement_blocker`` is None); resize when 0 < x <= the slots it holds on its
+healthy nodes in whole TP groups (it can shrink there); migrate otherwise. The changed-jobs cap
+does not apply. ``dp.plan_sizes_dp`` (the paper's dynamic program) and ``solver.plan_sizes``
+(CP-SAT) both optimize exactly this, so their optima must agree.
+
+Errors. Every check raises ``FieldError`` (a ValueError) naming the field. Objects check their
+own fields when built, naming them relative to themselves (``Job('a').weight``); wrap the
+construction in ``field_scope('request.jobs[2]')`` to name it ``request.jobs[2].weight``.
+``validate`` checks the request as a whole and names full paths (``request.jobs[3].current['n7']``).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Literal
 
 # Horizon used when no failures are expected (rate 0) or no node is healthy: one day. Any long
 # horizon makes transition costs small next to running time, which is what a zero rate means.
 DEFAULT_HORIZON_S = 86_400.0
 
-# Throughput assumed per slot when a job has no measured profile: 100 TFLOP/s, a rough achieved
-# bf16 rate on A100/H100-class GPUs. Only its ratio to measured profiles matters, and only when
-# estimated and measured jobs compete for the same slots.
+# Throughput assumed per slot when a job has neither a profile nor an estimate: 100 TFLOP/s, a
+# rough achieved bf16 rate on A100/H100-class GPUs. Only its ratio to other jobs' throughput
+# matters, and only when such jobs compete for the same slots.
 ESTIMATED_FLOPS_PER_SLOT = 1.0e14
 
+# ThroughputEstimate defaults (see its docstring).
+GPU_PEAK_FLOPS = 989e12  # H100 SXM, dense bf16
+DEFAULT_MFU = 0.4
+DEFAULT_DP_BANDWIDTH_BYTES_PER_S = 50e9  # 400 Gb/s network per GPU (InfiniBand NDR)
+DEFAULT_EXPOSED_COMM = 0.5
+GRADIENT_BYTES_PER_PARAMETER = 4.0  # fp32 gradients, as Megatron reduces them by default
+
 STATUSES = ("OPTIMAL", "FEASIBLE", "INFEASIBLE", "UNKNOWN")
+
+TransitionKind = Literal["restart", "resize", "migrate"]
+TRANSITION_KINDS: tuple[TransitionKind, ...] = ("restart", "resize", "migrate")
 
 PlanSlots = Mapping[str, Mapping[str, int]]
 """A plan as plain data: job_id -> node_id -> slots. A missing job or an empty map is paused."""
 
 
+class FieldError(ValueError):
+    """A bad input value. ``field`` is its path below ``owner`` (``weight``, ``throughput[16]``,
+    ``current['n7']``); ``str()`` is ``"<owner>.<field>: <message>"``."""
+
+    def __init__(self, owner: str, field: str, message: str) -> None:
+        self.owner, self.field, self.message = owner, field, message
+        super().__init__(f"{self.path}: {message}")
+
+    @property
+    def path(self) -> str:
+        if not self.owner:
+            return self.field
+        return f"{self.owner}{'' if self.field.startswith('[') else '.'}{self.field}"
+
+    def within(self, owner: str) -> FieldError:
+        """The same error, named below ``owner`` instead (``request.jobs[2]``)."""
+        return FieldError(owner, self.field, self.message)
+
+
+@contextmanager
+def field_scope(owner: str) -> Iterator[None]:
+    """Renames a ``FieldError`` raised inside to sit below ``owner``::
+
+    with field_scope(f"request.jobs[{i}]"):
+        job = Job(...)          # a NaN weight raises "request.jobs[2].weight: ..."
+    """
+    try:
+        yield
+    except FieldError as exc:
+        raise exc.within(owner) from None
+
+
 def _fail(where: str, name: str, message: str) -> None:
-    raise ValueError(f"{where}.{name}: {message}")
+    raise FieldError(where, name, message)
 
 
 def _check_id(where: str, name: str, value: object) -> None:
@@ -75,15 +152,96 @@ class Node:
 
 
 @dataclass(frozen=True)
+class Transition:
+    """Seconds a job loses when its placement changes, by kind (see the module docstring).
+
+    ``restart_s``: restart in place (same nodes, same size), what a job hit by the failure pays
+    if it keeps its placement. ``resize_s``: the size or placement changes but every node it will
+    use already holds it. ``migrate_s`` + ``state_bytes`` / ``bandwidth_bytes_per_s``: it gains a
+    node it did not use (or starts), which must fetch the parameter and optimizer state."""
+
+    restart_s: float = 30.0
+    resize_s: float = 45.0
+    migrate_s: float = 60.0
+    state_bytes: float = 0.0
+    bandwidth_bytes_per_s: float = 1.25e9
+
+    def __post_init__(self) -> None:
+        for name in ("restart_s", "resize_s", "migrate_s", "state_bytes"):
+            _check_float("Transition", name, getattr(self, name))
+        _check_float("Transition", "bandwidth_bytes_per_s", self.bandwidth_bytes_per_s, positive=True)
+
+    def seconds(self, kind: str) -> float:
+        """D_trans for ``kind`` ("restart", "resize", "migrate"): the cheapest of that kind and
+        the more general ones, since a general mechanism can do a special change."""
+        migrate = self.migrate_s + self.state_bytes / self.bandwidth_bytes_per_s
+        if kind == "migrate":
+            return migrate
+        if kind == "resize":
+            return min(self.resize_s, migrate)
+        if kind == "restart":
+            return min(self.restart_s, self.resize_s, migrate)
+        raise ValueError(f"unknown transition kind {kind!r}; expected one of {TRANSITION_KINDS}")
+
+
+@dataclass(frozen=True)
+class ThroughputEstimate:
+    """T(x) estimated from the model's size when no profile was measured.
+
+    A step processes ``tokens_per_step`` tokens (global batch x sequence length) and costs
+    6 x P x tokens FLOPs for P = ``parameters`` (forward 2, backward 4 per parameter per token;
+    Kaplan et al. 2020, "Scaling laws", sec. 2.1). On x = TP x PP x DP GPUs:
+
+        compute(x) = 6 P tokens / (x * gpu_peak_flops * mfu)
+        comm(x)    = 2 (DP - 1) / DP * (4 P / (TP PP)) / dp_bandwidth_bytes_per_s
+        T(x)       = 6 P tokens / (compute(x) + exposed_comm * comm(x))
+
+    ``mfu`` (model FLOPs utilization, 0.4 by default) is what Megatron-style 3D parallelism
+    reaches at scale (PaLM reports 46%, Megatron-LM 2021 about 40-50%). ``comm`` is a ring
+    all-reduce of the fp32 gradients of one model-parallel shard (4 P / (TP PP) bytes) over each
+    GPU's share of inter-node bandwidth (Patarasuk & Yuan 2009: a ring moves 2 (n-1)/n of the
+    data per member); ``exposed_comm`` of it is not hidden behind the backward pass. The step time
+    is c0 / DP + k (DP - 1) / DP, so T grows with DP while compute dominates (sublinearly: the
+    exposed all-reduce is a floor) and shrinks monotonically when it does not, which is when
+    adding data parallelism really does not pay."""
+
+    parameters: float
+    tokens_per_step: float
+    gpu_peak_flops: float = GPU_PEAK_FLOPS
+    mfu: float = DEFAULT_MFU
+    dp_bandwidth_bytes_per_s: float = DEFAULT_DP_BANDWIDTH_BYTES_PER_S
+    exposed_comm: float = DEFAULT_EXPOSED_COMM
+
+    def __post_init__(self) -> None:
+        for name in ("parameters", "tokens_per_step", "gpu_peak_flops", "mfu", "dp_bandwidth_bytes_per_s"):
+            _check_float("ThroughputEstimate", name, getattr(self, name), positive=True)
+        _check_float("ThroughputEstimate", "exposed_comm", self.exposed_comm)
+        if self.mfu > 1:
+            _fail("ThroughputEstimate", "mfu", f"must be at most 1, got {self.mfu!r}")
+        if self.exposed_comm > 1:
+            _fail("ThroughputEstimate", "exposed_comm", f"must be at most 1, got {self.exposed_comm!r}")
+
+    def flops(self, tensor_parallel: int, pipeline_parallel: int, x: int) -> float:
+        """Estimated achieved FLOP/s on ``x`` GPUs (x a multiple of TP x PP)."""
+        unit = tensor_parallel * pipeline_parallel
+        dp = x // unit
+        work = 6.0 * self.parameters * self.tokens_per_step
+        compute = work / (x * self.gpu_peak_flops * self.mfu)
+        grad_bytes = GRADIENT_BYTES_PER_PARAMETER * self.parameters / unit
+        comm = 2.0 * (dp - 1) / dp * grad_bytes / self.dp_bandwidth_bytes_per_s
+        return work / (compute + self.exposed_comm * comm)
+
+
+@dataclass(frozen=True)
 class Job:
     """A job as the planner sees it.
 
     ``throughput`` maps size (slots) to achieved FLOP/s and also lists the sizes the job may run
     at: a size the parallelism allows but the profile omits (say a DP degree that does not divide
-    the global batch) is not allowed. ``None`` means every size the parallelism allows, at
-    ``ESTIMATED_FLOPS_PER_SLOT`` per slot. ``current`` is node_id -> slots held now; empty when
-    the job is not running. It may name unhealthy nodes: that is how a lost node shows up.
-    """
+    the global batch) is not allowed. Without a profile every size the parallelism allows is, at
+    ``estimate``'s FLOP/s when given, else at ``ESTIMATED_FLOPS_PER_SLOT`` per slot; a profile
+    wins over an estimate. ``current`` is node_id -> slots held now; empty when the job is not
+    running. It may name unhealthy nodes: that is how a lost node shows up."""
 
     job_id: str
     weight: float
@@ -96,7 +254,8 @@ class Job:
     hit_by_failure: bool = False
     preemptible: bool = True
     pinned: bool = False
-    transition_seconds: float = 30.0
+    transition: Transition = field(default_factory=Transition)
+    estimate: ThroughputEstimate | None = None
 
     def __post_init__(self) -> None:
         where = f"Job({self.job_id!r})"
@@ -108,7 +267,10 @@ class Job:
             _fail(where, "min_dp", f"{self.min_dp} exceeds max_dp {self.max_dp}")
         for name in ("hit_by_failure", "preemptible", "pinned"):
             _check_bool(where, name, getattr(self, name))
-        _check_float(where, "transition_seconds", self.transition_seconds)
+        if not isinstance(self.transition, Transition):
+            _fail(where, "transition", f"must be a Transition, got {self.transition!r}")
+        if self.estimate is not None and not isinstance(self.estimate, ThroughputEstimate):
+            _fail(where, "estimate", f"must be None or a ThroughputEstimate, got {self.estimate!r}")
         if self.throughput is not None:
             if not isinstance(self.throughput, Mapping) or not self.throughput:
                 _fail(where, "throughput", "must be None or a non-empty mapping size -> FLOP/s")
@@ -116,8 +278,8 @@ class Job:
             for size, flops in self.throughput.items():
                 _check_int(where, f"throughput[{size!r}] (key)", size, 1)
                 if size not in sizes:
-                    _fail(where, f"throughput[{size}]", "size is not TP*PP*DP, DP in [min, max]")
-                _check_float(where, f"throughput[{size}]", flops)
+                    _fail(where, f"throughput[{size}]", "size is not TP*PP*DP with DP in [min_dp, max_dp]")
+                _check_float(where, f"throughput[{size}]", flops, positive=True)
             # A private copy: the caller's dict must not change a frozen job behind our back.
             object.__setattr__(self, "throughput", dict(self.throughput))
         if not isinstance(self.current, Mapping):
@@ -135,12 +297,17 @@ class Job:
 @dataclass(frozen=True)
 class PlanRequest:
     """Everything one plan depends on. Field-level checks run here; cross-object checks (ids,
-    node references) in ``validate``, which ``solver.plan`` calls.
+    node references, capacities) in ``validate``, which ``solver.plan`` calls.
 
     ``max_changed_jobs`` caps the jobs changed by choice; jobs that must change anyway (hit by
-    the failure, or with a current placement that no longer fits) are exempt (``forced_change``).
-    ``seed`` and ``workers`` go to CP-SAT; one worker and a fixed seed give repeatable plans
-    unless the time limit cuts the search short."""
+    the failure, or with a current placement that cannot be reused) are exempt
+    (``forced_change``). ``relative_gap`` ends the search once the plan is proven within that
+    fraction of the best possible objective (status OPTIMAL; ``PlanResult.gap`` says how close it
+    really is). The default, 0.1%, is far below the error of the throughput and transition
+    estimates behind the objective; 0 asks for a proof of optimality, which on a large cluster
+    can take seconds more for the last hundredths of a percent. ``seed`` and
+    ``workers`` go to CP-SAT; one worker and a fixed seed give repeatable plans unless the time
+    limit cuts the search short."""
 
     nodes: tuple[Node, ...]
     jobs: tuple[Job, ...]
@@ -149,9 +316,10 @@ class PlanRequest:
     max_changed_jobs: int | None = None
     seed: int = 0
     workers: int = 1
+    relative_gap: float = 1e-3
 
     def __post_init__(self) -> None:
-        where = "PlanRequest"
+        where = "request"
         for name, kind in (("nodes", Node), ("jobs", Job)):
             items = getattr(self, name)
             if not isinstance(items, Sequence) or isinstance(items, str):
@@ -166,17 +334,24 @@ class PlanRequest:
             _check_int(where, "max_changed_jobs", self.max_changed_jobs, 0)
         _check_int(where, "seed", self.seed, 0)
         _check_int(where, "workers", self.workers, 1)
+        _check_float(where, "relative_gap", self.relative_gap)
+        if self.relative_gap >= 1:
+            _fail(where, "relative_gap", f"must be below 1, got {self.relative_gap!r}")
 
 
 @dataclass(frozen=True)
 class JobPlan:
-    """One job's outcome. ``slots_by_node`` holds only nodes with slots; empty when paused."""
+    """One job's outcome. ``slots_by_node`` holds only nodes with slots; empty when paused.
+    ``transition`` is the kind paid ("restart", "resize", "migrate"; "" when none: kept, or
+    paused) and ``transition_s`` its seconds."""
 
     job_id: str
     slots_by_node: dict[str, int]
     size: int
     changed: bool
     reason: str
+    transition: str = ""
+    transition_s: float = 0.0
 
     def __post_init__(self) -> None:
         where = f"JobPlan({self.job_id!r})"
@@ -187,11 +362,13 @@ class JobPlan:
 
 @dataclass(frozen=True)
 class PlanResult:
-    """The solver's answer. ``objective`` is ``score`` of the returned plan (exact, unscaled);
+    """The solver's answer. ``status`` is OPTIMAL when the plan is proven within the request's
+    ``relative_gap`` of the best (``gap`` 0 when proven best), FEASIBLE when the time limit cut
+    the search first. ``objective`` is ``score`` of the returned plan (exact, unscaled);
     ``bound`` (an upper bound on the objective) and ``gap`` ((bound - objective) / |bound|) come
     from the solver and are +inf when no bound is known. ``jobs`` holds one plan per request job,
     in request order, when a plan was found (OPTIMAL, FEASIBLE) and is empty otherwise; then
-    ``objective`` is 0 and ``reason`` says why."""
+    ``objective`` is 0 and ``reason`` says why (for INFEASIBLE: which constraint)."""
 
     status: str
     objective: float
@@ -227,7 +404,12 @@ def throughput(job: Job, x: int) -> float:
     if job.throughput is not None:
         if x in job.throughput:
             return float(job.throughput[x])
-    elif x in _parallel_sizes(job):
+    elif (
+        x % (job.tensor_parallel * job.pipeline_parallel) == 0
+        and job.min_dp <= x // (job.tensor_parallel * job.pipeline_parallel) <= job.max_dp
+    ):
+        if job.estimate is not None:
+            return job.estimate.flops(job.tensor_parallel, job.pipeline_parallel, x)
         return ESTIMATED_FLOPS_PER_SLOT * x
     raise ValueError(f"Job({job.job_id!r}): size {x} is not allowed {allowed_sizes(job)}")
 
@@ -246,37 +428,44 @@ def horizon_seconds(request: PlanRequest) -> float:
 
 
 def validate(request: PlanRequest) -> None:
-    """Cross-object checks, each ValueError naming the field path (``jobs[2].current['n9']``)."""
-    node_ids: set[str] = set()
+    """Cross-object checks, each a FieldError naming the path (``request.jobs[2].current['n9']``).
+
+    Current placements must fit the healthy nodes they name, one job and all jobs together. An
+    unhealthy node's slot count is not checked: a lost node may report 0 slots while the
+    placement still names it."""
+    nodes: dict[str, Node] = {}
     for i, node in enumerate(request.nodes):
-        if node.node_id in node_ids:
+        if node.node_id in nodes:
             _fail("request", f"nodes[{i}].node_id", f"duplicate node id {node.node_id!r}")
-        node_ids.add(node.node_id)
+        nodes[node.node_id] = node
     job_ids: set[str] = set()
+    used = dict.fromkeys(nodes, 0)
     for i, job in enumerate(request.jobs):
         if job.job_id in job_ids:
             _fail("request", f"jobs[{i}].job_id", f"duplicate job id {job.job_id!r}")
         job_ids.add(job.job_id)
-        for node_id in job.current:
-            if node_id not in node_ids:
-                _fail("request", f"jobs[{i}].current[{node_id!r}]", f"unknown node {node_id!r}")
+        for node_id, slots in job.current.items():
+            where = f"jobs[{i}].current[{node_id!r}]"
+            if node_id not in nodes:
+                _fail("request", where, f"unknown node {node_id!r}")
+            node = nodes[node_id]
+            if node.healthy and slots > node.slots:
+                _fail("request", where, f"{slots} slots on node {node_id!r}, which has {node.slots}")
+            used[node_id] += slots
+            if node.healthy and used[node_id] > node.slots:
+                _fail("request", where, f"jobs hold {used[node_id]} slots on node {node_id!r}, which has {node.slots}")
 
 
-def keep_blocker(job: Job, nodes: Mapping[str, Node]) -> str | None:
-    """Why the job cannot keep its current placement unchanged (None when it can).
-
-    A job that is not running, or that was hit by the failure, cannot keep it: the first has
-    nothing to keep, the second restarts (and pays its transition) even if it lands in place.
-    """
+def placement_blocker(job: Job, nodes: Mapping[str, Node]) -> str | None:
+    """Why the job's current placement cannot be reused as it is (None when it can): not
+    running, a lost node, a TP group split across nodes, or a size no longer allowed."""
     if not job.current:
         return "not running"
-    if job.hit_by_failure:
-        return "hit by failure"
     lost = sorted(n for n in job.current if not nodes[n].healthy)
     if lost:
         return f"{'node' if len(lost) == 1 else 'nodes'} {', '.join(lost)} lost"
     for node_id, slots in sorted(job.current.items()):
-        if slots > nodes[node_id].slots:
+        if slots > nodes[node_id].slots:  # only reachable without ``validate``
             return f"node {node_id} has {nodes[node_id].slots} slots, job holds {slots}"
         if slots % job.tensor_parallel:
             return f"{slots} slots on node {node_id} split a TP group of {job.tensor_parallel}"
@@ -285,23 +474,49 @@ def keep_blocker(job: Job, nodes: Mapping[str, Node]) -> str | None:
     return None
 
 
+def keep_blocker(job: Job, nodes: Mapping[str, Node]) -> str | None:
+    """Why the job cannot keep its current placement unchanged (None when it can): as
+    ``placement_blocker``, and a job hit by the failure restarts even if it lands in place."""
+    if job.hit_by_failure and job.current:
+        return "hit by failure"
+    return placement_blocker(job, nodes)
+
+
 def forced_change(job: Job, nodes: Mapping[str, Node]) -> bool:
     """A running job that must change whatever the plan does; it is exempt from the cap."""
     return bool(job.current) and keep_blocker(job, nodes) is not None
 
 
 def is_changed(job: Job, slots: Mapping[str, int]) -> bool:
-    """Whether the job transitions under this placement (and so pays D_trans)."""
+    """Whether the job's placement changes (or it restarts); what the changed-jobs cap counts.
+    Pausing a running job is a change; a paused job that stays paused is not."""
     new = {n: s for n, s in slots.items() if s}
     if job.hit_by_failure and new:
         return True
     return new != dict(job.current)
 
 
+def transition_kind(job: Job, slots: Mapping[str, int]) -> TransitionKind | None:
+    """The kind of transition the job pays under this placement; None when it pays nothing
+    (kept and not hit, or paused). See the module docstring."""
+    new = {n: s for n, s in slots.items() if s}
+    if not new:
+        return None
+    if new == dict(job.current):
+        return "restart" if job.hit_by_failure else None
+    if all(n in job.current for n in new):
+        return "resize"
+    return "migrate"
+
+
+def transition_seconds(job: Job, kind: str | None) -> float:
+    return 0.0 if kind is None else job.transition.seconds(kind)
+
+
 def job_value(job: Job, slots: Mapping[str, int], horizon_s: float) -> float:
-    """One job's term of the objective, in weighted FLOPs."""
+    """One job's term of the objective, in weighted FLOPs: F * (D_run - D_trans)."""
     f = weighted_throughput(job, sum(slots.values()))
-    return f * horizon_s - (f * job.transition_seconds if is_changed(job, slots) else 0.0)
+    return f * (horizon_s - transition_seconds(job, transition_kind(job, slots)))
 
 
 def plan_problems(request: PlanRequest, plan_slots: PlanSlots) -> list[str]:
@@ -348,3 +563,66 @@ def score(request: PlanRequest, plan_slots: PlanSlots) -> float:
         raise ValueError("invalid plan: " + "; ".join(problems))
     horizon = horizon_seconds(request)
     return sum(job_value(job, plan_slots.get(job.job_id, {}), horizon) for job in request.jobs)
+
+
+# --- the size-only problem (no placement) ------------------------------------------------------
+
+
+def healthy_slots(request: PlanRequest) -> int:
+    """The size-only pool: every slot of every healthy node."""
+    return sum(node.slots for node in request.nodes if node.healthy)
+
+
+def _held_in_place(job: Job, nodes: Mapping[str, Node]) -> int:
+    """Slots the job holds on its healthy nodes, in whole TP groups: what it can shrink onto."""
+    tp = job.tensor_parallel
+    return sum(min(s, nodes[n].slots) // tp * tp for n, s in job.current.items() if nodes[n].healthy)
+
+
+def size_only_kind(job: Job, x: int, nodes: Mapping[str, Node]) -> TransitionKind | None:
+    """The transition a job pays at size ``x`` in the size-only problem (module docstring)."""
+    if x == 0:
+        return None
+    if x == job.current_size and placement_blocker(job, nodes) is None:
+        return "restart" if job.hit_by_failure else None
+    if x <= _held_in_place(job, nodes):
+        return "resize"
+    return "migrate"
+
+
+def size_only_value(job: Job, x: int, nodes: Mapping[str, Node], horizon_s: float) -> float:
+    f = weighted_throughput(job, x)
+    return f * (horizon_s - transition_seconds(job, size_only_kind(job, x, nodes)))
+
+
+def size_options(job: Job, nodes: Mapping[str, Node], horizon_s: float) -> dict[int, float]:
+    """The sizes the job may take in the size-only problem, each with its value; 0 is pausing.
+    Empty when none is possible (pinned at a size it may not run at and may not leave)."""
+    if job.pinned:
+        x = job.current_size
+        if x and x not in allowed_sizes(job):
+            return {}
+        if x == 0 and not job.preemptible:
+            return {}
+        return {x: size_only_value(job, x, nodes, horizon_s)}
+    options = {0: 0.0} if job.preemptible else {}
+    options.update({x: size_only_value(job, x, nodes, horizon_s) for x in allowed_sizes(job)})
+    return options
+
+
+def size_only_score(request: PlanRequest, sizes: Mapping[str, int]) -> float:
+    """The size-only objective of the given sizes (absent jobs paused); ValueError if invalid."""
+    validate(request)
+    nodes = {node.node_id: node for node in request.nodes}
+    horizon = horizon_seconds(request)
+    total, used = 0.0, 0
+    for job in request.jobs:
+        x = sizes.get(job.job_id, 0)
+        options = size_options(job, nodes, horizon)
+        if x not in options:
+            raise ValueError(f"job {job.job_id!r}: size {x} is not among {sorted(options)}")
+        total += options[x]
+        used += x
+    if used > healthy_slots(request):
+        raise ValueError(f"sizes use {used} slots, healthy nodes hold {healthy_slots(request)}")
+    return total

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import grpc
 
 from services.planner import domain, solver
-from unicron.errors import InvalidArgument
+from unicron.errors import InvalidArgument, ResourceExhausted
 from unicron.rpc import grpc_errors
 from unicron.v1 import planner_service_pb2 as pb
 from unicron.v1 import planner_service_pb2_grpc
@@ -18,43 +20,94 @@ STATUS = {
 }
 
 
-def request_from_proto(message: pb.PlanRequest, *, default_time_limit_s: float, workers: int) -> domain.PlanRequest:
+@dataclass(frozen=True)
+class Limits:
+    """The largest request one replica accepts; bigger ones get RESOURCE_EXHAUSTED."""
+
+    max_jobs: int = 4096
+    max_nodes: int = 16384
+    default_time_limit_s: float = 2.0
+    workers: int = 1
+
+
+def _field_error(path: str, exc: ValueError) -> InvalidArgument:
+    """Domain errors start with the field they concern ("Job('a').weight: ..."); report
+    them under the request path the caller used instead."""
+    problem = str(exc)
+    head, sep, tail = problem.partition(": ")
+    if sep and head.startswith("request."):
+        return InvalidArgument(head, tail)
+    if sep and "." in head:
+        return InvalidArgument(f"{path}.{head.split('.', 1)[1]}", tail)
+    return InvalidArgument(path, problem)
+
+
+def _job_from_proto(j: pb.PlanJob) -> domain.Job:
+    t = j.transition
+    defaults = domain.Transition()
+    transition = domain.Transition(
+        restart_s=t.restart_seconds or defaults.restart_s,
+        resize_s=t.resize_seconds or defaults.resize_s,
+        migrate_s=t.migrate_seconds or defaults.migrate_s,
+        state_bytes=t.state_bytes,
+        bandwidth_bytes_per_s=t.bandwidth_bytes_per_second or defaults.bandwidth_bytes_per_s,
+    )
+    estimate = (
+        domain.ThroughputEstimate(parameters=j.estimate.parameters, tokens_per_step=j.estimate.tokens_per_step)
+        if j.HasField("estimate")
+        else None
+    )
+    return domain.Job(
+        job_id=j.job_id,
+        weight=j.weight,
+        tensor_parallel=j.tensor_parallel,
+        pipeline_parallel=j.pipeline_parallel,
+        min_dp=j.min_data_parallel,
+        max_dp=j.max_data_parallel,
+        throughput=dict(j.throughput) or None,
+        estimate=estimate,
+        current=dict(j.current),
+        hit_by_failure=j.hit_by_failure,
+        preemptible=j.preemptible,
+        pinned=j.pinned,
+        transition=transition,
+    )
+
+
+def request_from_proto(message: pb.PlanRequest, limits: Limits) -> domain.PlanRequest:
+    if len(message.jobs) > limits.max_jobs:
+        raise ResourceExhausted(f"request has {len(message.jobs)} jobs; this planner accepts at most {limits.max_jobs}")
+    if len(message.nodes) > limits.max_nodes:
+        raise ResourceExhausted(
+            f"request has {len(message.nodes)} nodes; this planner accepts at most {limits.max_nodes}"
+        )
+    nodes = []
+    for i, n in enumerate(message.nodes):
+        try:
+            nodes.append(
+                domain.Node(node_id=n.node_id, slots=n.slots, healthy=n.healthy, failure_domain=n.failure_domain)
+            )
+        except ValueError as exc:
+            raise _field_error(f"request.nodes[{i}]", exc) from None
+    jobs = []
+    for i, j in enumerate(message.jobs):
+        try:
+            jobs.append(_job_from_proto(j))
+        except ValueError as exc:
+            raise _field_error(f"request.jobs[{i}]", exc) from None
     try:
         request = domain.PlanRequest(
-            nodes=tuple(
-                domain.Node(
-                    node_id=n.node_id,
-                    slots=n.slots,
-                    healthy=n.healthy,
-                    failure_domain=n.failure_domain,
-                )
-                for n in message.nodes
-            ),
-            jobs=tuple(
-                domain.Job(
-                    job_id=j.job_id,
-                    weight=j.weight,
-                    tensor_parallel=j.tensor_parallel,
-                    pipeline_parallel=j.pipeline_parallel,
-                    min_dp=j.min_data_parallel,
-                    max_dp=j.max_data_parallel,
-                    throughput=dict(j.throughput) or None,
-                    current=dict(j.current),
-                    hit_by_failure=j.hit_by_failure,
-                    preemptible=j.preemptible,
-                    pinned=j.pinned,
-                    transition_seconds=j.transition_seconds or 30.0,
-                )
-                for j in message.jobs
-            ),
+            nodes=tuple(nodes),
+            jobs=tuple(jobs),
             failure_rate_per_node_per_s=message.failure_rate_per_node_per_second,
-            time_limit_s=message.time_limit_seconds or default_time_limit_s,
+            time_limit_s=message.time_limit_seconds or limits.default_time_limit_s,
             max_changed_jobs=message.max_changed_jobs or None,
-            workers=workers,
+            seed=message.seed,
+            workers=limits.workers,
         )
         domain.validate(request)
     except ValueError as exc:
-        raise InvalidArgument("request", str(exc)) from None
+        raise _field_error("request", exc) from None
     return request
 
 
@@ -80,20 +133,16 @@ def result_to_proto(result: domain.PlanResult) -> pb.PlanResponse:
 
 
 class PlannerServicer(planner_service_pb2_grpc.PlannerServiceServicer):
-    def __init__(self, default_time_limit_s: float, workers: int) -> None:
-        self._default_time_limit_s = default_time_limit_s
-        self._workers = workers
+    def __init__(self, limits: Limits) -> None:
+        self._limits = limits
 
     @grpc_errors
     def Plan(self, request: pb.PlanRequest, context: grpc.ServicerContext) -> pb.PlanResponse:
-        problem = request_from_proto(request, default_time_limit_s=self._default_time_limit_s, workers=self._workers)
-        return result_to_proto(solver.plan(problem))
+        return result_to_proto(solver.plan(request_from_proto(request, self._limits)))
 
     @grpc_errors
     def Explain(self, request: pb.ExplainRequest, context: grpc.ServicerContext) -> pb.ExplainResponse:
-        problem = request_from_proto(
-            request.request, default_time_limit_s=self._default_time_limit_s, workers=self._workers
-        )
+        problem = request_from_proto(request.request, self._limits)
         placement = {plan.job_id: dict(plan.slots_by_node) for plan in request.plan}
         try:
             objective = domain.score(problem, placement)

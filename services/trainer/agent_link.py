@@ -6,25 +6,35 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import grpc
 
 from unicron import rpc
+from unicron.v1 import common_pb2, trainer_service_pb2_grpc
 from unicron.v1 import trainer_service_pb2 as pb
-from unicron.v1 import trainer_service_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 _CLOSE = object()
 
 
+@dataclass(frozen=True)
+class LinkCallbacks:
+    on_stop: Callable[[str], None]
+    on_inject: Callable[[common_pb2.Fault], None]
+    # The agent went away: a trainer without its agent cannot be supervised, so it stops.
+    on_lost: Callable[[str], None]
+
+
 class AgentLink:
-    def __init__(self, address: str, hello: pb.TrainerHello, on_stop: Callable[[str], None]) -> None:
+    def __init__(self, address: str, hello: pb.TrainerHello, callbacks: LinkCallbacks) -> None:
         self._stub = trainer_service_pb2_grpc.TrainerAgentServiceStub(rpc.channel(address))
         self._hello = hello
-        self._on_stop = on_stop
+        self._callbacks = callbacks
         self._outbox: queue.Queue[object] = queue.Queue()
         self._welcomed = threading.Event()
+        self._closing = threading.Event()
         self._reader: threading.Thread | None = None
 
     def open(self, timeout_s: float = 30.0) -> None:
@@ -44,6 +54,7 @@ class AgentLink:
             yield item
 
     def _read(self, responses: Iterator[pb.ConnectResponse]) -> None:
+        reason = "the agent closed the connection"
         try:
             for response in responses:
                 kind = response.WhichOneof("message")
@@ -51,16 +62,26 @@ class AgentLink:
                     self._welcomed.set()
                 elif kind == "stop":
                     log.info("agent asked to stop", extra={"reason": response.stop.reason})
-                    self._on_stop(response.stop.reason)
+                    self._callbacks.on_stop(response.stop.reason)
+                elif kind == "inject":
+                    self._callbacks.on_inject(response.inject)
+                elif kind == "rejected":
+                    log.warning(
+                        "agent rejected a message",
+                        extra={"code": response.rejected.code, "reason": response.rejected.reason},
+                    )
         except grpc.RpcError as exc:
-            if exc.code() != grpc.StatusCode.CANCELLED:
-                log.warning("agent stream closed", extra={"code": exc.code().name})
+            reason = f"agent connection lost ({exc.code().name})"
+        if not self._closing.is_set():
+            log.warning(reason)
+            self._callbacks.on_lost(reason)
 
     def send(self, message: pb.ConnectRequest) -> None:
         self._outbox.put(message)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Ends the stream after the queued messages are sent."""
+        self._closing.set()
         self._outbox.put(_CLOSE)
         if self._reader:
             self._reader.join(timeout_s)

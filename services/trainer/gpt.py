@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -105,6 +106,9 @@ class StepResult:
     seconds: float  # wall time of the step on this rank
     tokens: int  # tokens processed by the whole job in the step
     flops: float  # model FLOPs of the whole job in the step
+    # This rank's time before it entered the gradient all-reduce: its own share of the step.
+    # Peers of a slow rank wait inside the all-reduce, so a straggler shows here, not in seconds.
+    compute_seconds: float = 0.0
 
 
 def model_flops_per_iteration(model: ModelConfig, global_batch_size: int) -> float:
@@ -173,6 +177,9 @@ class GPTTrainer:
         self._num_microbatches = train.global_batch_size // (train.micro_batch_size * self._dp)
         self._iteration = 0
         self._closed = False
+        self._grad_sync_at: float | None = None
+        # Called on this rank's entry into the gradient all-reduce (set by fault injection).
+        self.grad_sync_hook: Callable[[], None] | None = None
         with cpu_mode(device):
             self._build(tensor_parallel, pipeline_parallel)
 
@@ -206,7 +213,7 @@ class GPTTrainer:
         )
         # Without these hooks the schedule never triggers DDP's grad all-reduce.
         config.no_sync_func = self.model.no_sync
-        config.finalize_model_grads_func = finalize_model_grads
+        config.finalize_model_grads_func = self._finalize_grads
         self._forward_backward = get_forward_backward_func()
 
     def _transformer_config(self, tp: int, pp: int) -> TransformerConfig:
@@ -239,13 +246,24 @@ class GPTTrainer:
     def data_parallel_size(self) -> int:
         return self._dp
 
+    def _finalize_grads(self, *args: Any, **kwargs: Any) -> Any:
+        """Megatron's gradient all-reduce, with a note of when this rank reached it and the
+        hook that fault injection uses to act inside it."""
+        if self.grad_sync_hook is not None:
+            self.grad_sync_hook()
+        self._grad_sync_at = time.perf_counter()
+        return finalize_model_grads(*args, **kwargs)
+
     def step(self) -> StepResult:
         if self._closed:
             raise RuntimeError("GPTTrainer is closed")
         with cpu_mode(self._device):
             start = time.perf_counter()
+            self._grad_sync_at = None
             loss = self._train_step()
-            seconds = time.perf_counter() - start
+            end = time.perf_counter()
+            seconds = end - start
+            compute_seconds = (self._grad_sync_at or end) - start
         self._iteration += 1
         g = self.train_config.global_batch_size
         return StepResult(
@@ -254,6 +272,7 @@ class GPTTrainer:
             seconds=seconds,
             tokens=g * self.model_config.seq_length,
             flops=model_flops_per_iteration(self.model_config, g),
+            compute_seconds=compute_seconds,
         )
 
     def _train_step(self) -> float:

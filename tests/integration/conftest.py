@@ -13,7 +13,7 @@ from services.coordinator.coordinator import Coordinator, Settings
 from services.coordinator.planner_client import PlannerClient
 from services.coordinator.server import JobServicer, NodeServicer
 from services.coordinator.store import Store
-from services.planner.server import PlannerServicer
+from services.planner.server import Limits, PlannerServicer
 from unicron import rpc
 from unicron.client import UnicronClient
 from unicron.v1 import job_service_pb2_grpc, node_service_pb2_grpc, planner_service_pb2_grpc
@@ -23,7 +23,7 @@ def start_planner() -> rpc.Server:
     server = rpc.Server(bind="127.0.0.1:0", max_workers=4, grace_s=0.5)
     server.add(
         planner_service_pb2_grpc.add_PlannerServiceServicer_to_server,
-        PlannerServicer(default_time_limit_s=2.0, workers=1),
+        PlannerServicer(Limits(max_jobs=64, max_nodes=64)),
         "unicron.v1.PlannerService",
     )
     server.start()

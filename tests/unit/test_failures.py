@@ -44,3 +44,55 @@ def test_severity_decides_first_action(severity: int, action: Action) -> None:
     for failure in TAXONOMY.values():
         if failure.severity == severity and failure.action != Action.REPORT:
             assert failure.action == action
+
+
+def test_injected_exception_texts_classify_back_to_their_kind() -> None:
+    from services.trainer.faults import InjectedFailure
+    from unicron.faults import EXCEPTION_TEXTS
+
+    for kind, text in EXCEPTION_TEXTS.items():
+        assert classify_exception(InjectedFailure(text)) == kind, text
+
+
+@pytest.mark.parametrize(
+    ("text", "kind", "step", "extra"),
+    [
+        ("crash@5", pb.FAULT_KIND_CRASH, 5, {}),
+        ("hang", pb.FAULT_KIND_HANG, 0, {}),
+        (
+            "exception:illegal_memory_access@3",
+            pb.FAULT_KIND_EXCEPTION,
+            3,
+            {"exception_kind": pb.FAILURE_KIND_ILLEGAL_MEMORY_ACCESS},
+        ),
+        ("slow:0.5@2", pb.FAULT_KIND_SLOW, 2, {"delay_seconds": 0.5}),
+        ("vanish-in-allreduce@4", pb.FAULT_KIND_VANISH_IN_ALLREDUCE, 4, {}),
+    ],
+)
+def test_parse_fault(text: str, kind: int, step: int, extra: dict) -> None:
+    from unicron.faults import parse_fault
+
+    fault = parse_fault(text, rank=2)
+    assert (fault.kind, fault.step, fault.rank) == (kind, step, 2)
+    for name, value in extra.items():
+        assert getattr(fault, name) == value
+
+
+@pytest.mark.parametrize(
+    ("text", "field"),
+    [
+        ("explode", "fault.kind"),
+        ("exception", "fault.exception_kind"),
+        ("exception:nope", "fault.exception_kind"),
+        ("crash@x", "fault.step"),
+        ("slow:fast", "fault.delay_seconds"),
+        ("crash:now", "fault"),
+    ],
+)
+def test_parse_fault_errors_name_the_field(text: str, field: str) -> None:
+    from unicron.errors import InvalidArgument
+    from unicron.faults import parse_fault
+
+    with pytest.raises(InvalidArgument) as error:
+        parse_fault(text)
+    assert error.value.field == field

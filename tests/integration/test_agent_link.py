@@ -1,0 +1,120 @@
+"""A real agent against the in-process control plane; the test plays a misbehaving trainer
+over the agent protocol (the agent's supervised process is a sleeper standing in for it)."""
+
+from __future__ import annotations
+
+import queue
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from services.agent.agent import Agent, AgentSettings
+from tests.integration.conftest import ControlPlane
+from tests.integration.test_job_api import tiny_spec
+from unicron import rpc
+from unicron.v1 import common_pb2, node_service_pb2, trainer_service_pb2, trainer_service_pb2_grpc
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def agent(control_plane: ControlPlane, tmp_path: Path) -> Iterator[Agent]:
+    settings = AgentSettings(
+        node_id="n1",
+        slots=2,
+        failure_domain="",
+        work_dir=tmp_path,
+        stop_grace_s=1.0,
+        trainer_command=(sys.executable, "-c", "import time; time.sleep(60)"),
+    )
+    instance = Agent(settings, control_plane.address)
+    server = rpc.Server(bind="127.0.0.1:0", max_workers=8, grace_s=0.5)
+    server.add(
+        trainer_service_pb2_grpc.add_TrainerAgentServiceServicer_to_server,
+        instance.link,
+        "unicron.v1.TrainerAgentService",
+    )
+    server.on_stop(instance.stop)
+    server.start()
+    instance.start(server.address)
+    yield instance
+    server.stop()
+
+
+def running_job(plane: ControlPlane, agent: Agent) -> common_pb2.Job:
+    deadline = time.monotonic() + 10
+    with plane.client() as client:
+        while not [n for n in client.nodes() if n.node_id == "n1"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        job = client.submit(tiny_spec(data=1))
+        plane.coordinator.reconcile_once()
+        while not agent.supervisor.running(job.job_id):
+            assert time.monotonic() < deadline, "the agent never started the job"
+            time.sleep(0.05)
+        return client.get(job.job_id)
+
+
+class Trainer:
+    """The test's end of a Connect stream."""
+
+    def __init__(self, address: str, hello: trainer_service_pb2.TrainerHello) -> None:
+        self.outbox: queue.Queue[trainer_service_pb2.ConnectRequest | None] = queue.Queue()
+        self.outbox.put(trainer_service_pb2.ConnectRequest(hello=hello))
+        stub = trainer_service_pb2_grpc.TrainerAgentServiceStub(grpc.insecure_channel(address))
+        self.replies = stub.Connect(iter(self.outbox.get, None), timeout=20)
+
+    def send_iteration(self, job: common_pb2.Job, iteration: int, seconds: float = 0.1) -> None:
+        self.outbox.put(
+            trainer_service_pb2.ConnectRequest(
+                iteration=node_service_pb2.IterationReport(
+                    job_id=job.job_id, generation=1, rank=0, iteration=iteration, seconds=seconds
+                )
+            )
+        )
+
+    def next_reply(self) -> trainer_service_pb2.ConnectResponse:
+        reply: trainer_service_pb2.ConnectResponse = next(self.replies)
+        return reply
+
+    def close(self) -> None:
+        self.outbox.put(None)
+
+
+def test_an_unknown_trainer_is_not_found(control_plane: ControlPlane, agent: Agent) -> None:
+    trainer = Trainer(agent.address, trainer_service_pb2.TrainerHello(job_id="job-nope", generation=1, rank=0))
+    with pytest.raises(grpc.RpcError) as error:
+        trainer.next_reply()
+    assert error.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_bad_and_flooded_reports_are_rejected_and_the_agent_carries_on(
+    control_plane: ControlPlane, agent: Agent
+) -> None:
+    job = running_job(control_plane, agent)
+    trainer = Trainer(agent.address, trainer_service_pb2.TrainerHello(job_id=job.job_id, generation=1, rank=0))
+    assert trainer.next_reply().HasField("welcome")
+    trainer.send_iteration(job, 1)
+    trainer.send_iteration(job, 1)  # repeated
+    rejected = trainer.next_reply().rejected
+    assert rejected.code == "INVALID_ARGUMENT" and "iteration" in rejected.reason
+    trainer.send_iteration(job, 2, seconds=-1.0)
+    trainer.send_iteration(job, 2)  # a good one in between re-arms the refusal message
+    trainer.send_iteration(job, 3, seconds=float("nan"))
+    assert trainer.next_reply().rejected.code == "INVALID_ARGUMENT"
+    for i in range(1000):
+        trainer.send_iteration(job, 10 + i)
+    assert trainer.next_reply().rejected.code == "RESOURCE_EXHAUSTED"
+    trainer.close()
+    # The good reports reached the coordinator; the bad ones changed nothing there.
+    deadline = time.monotonic() + 10
+    with control_plane.client() as client:
+        while client.get(job.job_id).progress.iteration < 2:
+            assert time.monotonic() < deadline, "good reports never arrived"
+            time.sleep(0.1)
+        assert client.incidents() == []
+    assert rpc.wait_ready(agent.address, timeout_s=5)

@@ -1,0 +1,80 @@
+from __future__ import annotations
+
+from services.coordinator import incidents
+from unicron.v1 import common_pb2 as pb
+
+
+def report(kind: int, source: int, first_seen: float, rank: int | None = None, job: str = "j") -> pb.FailureReport:
+    out = pb.FailureReport(job_id=job, generation=1, node_id="n1", kind=kind, source=source, message="m")  # type: ignore[arg-type]
+    if rank is not None:
+        out.rank = rank
+    out.first_seen.FromNanoseconds(int(first_seen * 1e9))
+    return out
+
+
+def build(*reports: pb.FailureReport, now: float = 100.0) -> pb.Incident:
+    incident = None
+    for r in reports:
+        incident = incidents.merge(incident, r, now, "inc-1")
+    assert incident is not None
+    return incident
+
+
+EXC = pb.DETECTION_SOURCE_EXCEPTION
+EXIT = pb.DETECTION_SOURCE_PROCESS_SUPERVISION
+
+
+def test_peer_errors_after_a_crash_join_the_crash_and_it_stays_the_root() -> None:
+    crash = report(pb.FAILURE_KIND_PROCESS_EXIT, EXIT, 10.0, rank=1)
+    resets = [report(pb.FAILURE_KIND_CONNECTION_RESET, EXC, 10.2, rank=r) for r in (0, 2, 3)]
+    incident = build(resets[0], crash, *resets[1:])
+    assert incident.kind == pb.FAILURE_KIND_PROCESS_EXIT
+    assert incident.severity == pb.SEVERITY_SEV2
+    assert incident.recommended_action == "restart process"
+    assert len(incident.reports) == 4
+    assert incident.first_seen.ToNanoseconds() == 10_000_000_000
+    assert incident.detected.ToNanoseconds() == 100_000_000_000
+    assert "rank 1" in incident.summary
+
+
+def test_a_ranks_exception_explains_its_own_exit() -> None:
+    exited = report(pb.FAILURE_KIND_PROCESS_EXIT, EXIT, 5.0, rank=2)
+    exception = report(pb.FAILURE_KIND_ECC_ERROR, EXC, 5.1, rank=2)
+    incident = build(exited, exception)
+    assert incident.kind == pb.FAILURE_KIND_ECC_ERROR
+    assert incident.severity == pb.SEVERITY_SEV1 and incident.recommended_action == "reconfigure"
+
+
+def test_another_ranks_exception_does_not_explain_an_exit() -> None:
+    exited = report(pb.FAILURE_KIND_PROCESS_EXIT, EXIT, 5.0, rank=2)
+    other = report(pb.FAILURE_KIND_CONNECTION_RESET, EXC, 5.1, rank=0)
+    assert build(exited, other).kind == pb.FAILURE_KIND_PROCESS_EXIT
+
+
+def test_a_lost_node_seen_late_is_still_the_earliest_cause() -> None:
+    reset = report(pb.FAILURE_KIND_CONNECTION_RESET, EXC, 12.0, rank=0)
+    lost = incidents.node_lost_report("n2", "j", 1, last_heartbeat=11.5, timeout_s=3.0)
+    incident = build(reset, lost)
+    assert incident.kind == pb.FAILURE_KIND_NODE_LOST and incident.node_id == "n2"
+
+
+def test_keys_group_a_job_generation_and_keep_stragglers_apart() -> None:
+    crash = report(pb.FAILURE_KIND_PROCESS_EXIT, EXIT, 1.0, rank=1)
+    hang = report(pb.FAILURE_KIND_TASK_HANG, pb.DETECTION_SOURCE_STATISTICAL, 1.0)
+    slow = report(pb.FAILURE_KIND_STRAGGLER, pb.DETECTION_SOURCE_STATISTICAL, 1.0, rank=3)
+    node = report(pb.FAILURE_KIND_DISK_FULL, pb.DETECTION_SOURCE_NODE_HEALTH, 1.0, job="")
+    assert incidents.incident_key(crash) == incidents.incident_key(hang) == "job:j:1"
+    assert incidents.incident_key(slow) == "job:j:1:straggler:3"
+    assert incidents.incident_key(node) == "node:n1:FAILURE_KIND_DISK_FULL"
+
+
+def test_incidents_close_after_the_merge_window() -> None:
+    incident = build(report(pb.FAILURE_KIND_PROCESS_EXIT, EXIT, 1.0, rank=0), now=100.0)
+    assert incidents.is_open(incident, 100.0 + incidents.MERGE_WINDOW_S)
+    assert not incidents.is_open(incident, 100.1 + incidents.MERGE_WINDOW_S)
+
+
+def test_stragglers_do_not_end_their_job() -> None:
+    slow = build(report(pb.FAILURE_KIND_STRAGGLER, pb.DETECTION_SOURCE_STATISTICAL, 1.0, rank=3))
+    crash = build(report(pb.FAILURE_KIND_PROCESS_EXIT, EXIT, 1.0, rank=3))
+    assert not incidents.ends_the_job(slow) and incidents.ends_the_job(crash)
