@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import socket
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,10 +13,8 @@ from services.agent.agent import Agent, AgentSettings
 from services.agent.health import default_checks
 from services.agent.monitor import MonitorSettings
 from unicron import rpc
-from unicron.config import load_config, require
-from unicron.errors import UnicronError
-from unicron.logs import setup_logging
-from unicron.telemetry import setup_telemetry, shutdown_telemetry
+from unicron.config import require
+from unicron.service import run_server
 from unicron.v1 import trainer_service_pb2_grpc
 
 
@@ -50,14 +50,7 @@ class AgentConfig:
         require(self.hang_warmup_iterations >= 1, "hang_warmup_iterations", "must be at least 1")
 
 
-def main(argv: list[str]) -> int:
-    try:
-        config = load_config(AgentConfig, env_prefix="UNICRON_AGENT", argv=argv, description="Unicron node agent")
-    except UnicronError as exc:
-        print(f"unicron-agent: {exc}", file=sys.stderr)
-        return 2
-    log = setup_logging("agent", config.log_level)
-    setup_telemetry("agent")
+def setup(config: AgentConfig, server: rpc.Server, log: logging.Logger) -> Callable[[], None]:
     work_dir = Path(config.work_dir) / config.node_id
     work_dir.mkdir(parents=True, exist_ok=True)
     agent = Agent(
@@ -79,24 +72,13 @@ def main(argv: list[str]) -> int:
     )
     if config.fault_injection:
         log.warning("fault injection is ENABLED on this agent: faults can be injected into its trainers")
-    try:
-        server = rpc.Server(bind=config.bind, max_workers=config.max_workers)
-    except UnicronError as exc:
-        log.error(str(exc))
-        return 1
     server.add(
         trainer_service_pb2_grpc.add_TrainerAgentServiceServicer_to_server, agent.link, "unicron.v1.TrainerAgentService"
     )
     server.on_stop(agent.stop)
-    server.install_signal_handlers()
-    server.start()
-    agent.start(server.address)
-    log.info("agent serving", extra={"address": server.address, "node_id": config.node_id, "slots": config.slots})
-    server.wait()
-    shutdown_telemetry()
-    log.info("agent stopped")
-    return 0
+    log.info("node %s offers %d slots to %s", config.node_id, config.slots, config.coordinator)
+    return lambda: agent.start(server.address)
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(run_server("agent", AgentConfig, sys.argv[1:], setup))

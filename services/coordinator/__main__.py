@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.coordinator.coordinator import Coordinator, Settings
@@ -10,10 +12,8 @@ from services.coordinator.planner_client import PlannerClient
 from services.coordinator.server import JobServicer, NodeServicer
 from services.coordinator.store import Store
 from unicron import redisutil, rpc
-from unicron.config import load_config, require
-from unicron.errors import UnicronError
-from unicron.logs import setup_logging
-from unicron.telemetry import setup_telemetry, shutdown_telemetry
+from unicron.config import require
+from unicron.service import run_server
 from unicron.v1 import job_service_pb2_grpc, node_service_pb2_grpc
 
 
@@ -43,19 +43,9 @@ class CoordinatorConfig:
         require(self.max_workers >= 4, "max_workers", "must be at least 4")
 
 
-def main(argv: list[str]) -> int:
-    try:
-        config = load_config(
-            CoordinatorConfig, env_prefix="UNICRON_COORDINATOR", argv=argv, description="Unicron coordinator"
-        )
-    except UnicronError as exc:
-        print(f"unicron-coordinator: {exc}", file=sys.stderr)
-        return 2
-    log = setup_logging("coordinator", config.log_level)
-    setup_telemetry("coordinator")
-    store = Store(redisutil.connect(config.redis_url))
+def setup(config: CoordinatorConfig, server: rpc.Server, log: logging.Logger) -> Callable[[], None]:
     coordinator = Coordinator(
-        store,
+        Store(redisutil.connect(config.redis_url)),
         PlannerClient(config.planners),
         Settings(
             heartbeat_interval_s=config.heartbeat_interval_s,
@@ -65,27 +55,14 @@ def main(argv: list[str]) -> int:
             plan_time_limit_s=config.plan_time_limit_s,
         ),
     )
-    try:
-        server = rpc.Server(bind=config.bind, max_workers=config.max_workers)
-    except UnicronError as exc:
-        log.error(str(exc))
-        return 1
     server.add(job_service_pb2_grpc.add_JobServiceServicer_to_server, JobServicer(coordinator), "unicron.v1.JobService")
     server.add(
         node_service_pb2_grpc.add_NodeServiceServicer_to_server, NodeServicer(coordinator), "unicron.v1.NodeService"
     )
     server.on_stop(coordinator.stop)
-    server.install_signal_handlers()
-    server.start()
-    coordinator.start()
-    log.info(
-        "coordinator serving", extra={"address": server.address, "redis": config.redis_url, "planners": config.planners}
-    )
-    server.wait()
-    shutdown_telemetry()
-    log.info("coordinator stopped")
-    return 0
+    log.info("state in %s, planners %s", config.redis_url, ",".join(config.planners))
+    return coordinator.start
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(run_server("coordinator", CoordinatorConfig, sys.argv[1:], setup))

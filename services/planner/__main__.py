@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 from dataclasses import dataclass
 
 from services.planner.server import Limits, PlannerServicer
 from unicron import rpc
-from unicron.config import load_config, require
-from unicron.errors import UnicronError
-from unicron.logs import setup_logging
-from unicron.telemetry import setup_telemetry, shutdown_telemetry
+from unicron.config import require
+from unicron.service import run_server
 from unicron.v1 import planner_service_pb2_grpc
 
 
@@ -33,19 +32,7 @@ class PlannerConfig:
         require(self.max_nodes >= 1, "max_nodes", "must be at least 1")
 
 
-def main(argv: list[str]) -> int:
-    try:
-        config = load_config(PlannerConfig, env_prefix="UNICRON_PLANNER", argv=argv, description="Unicron planner")
-    except UnicronError as exc:
-        print(f"unicron-planner: {exc}", file=sys.stderr)
-        return 2
-    log = setup_logging("planner", config.log_level)
-    setup_telemetry("planner")
-    try:
-        server = rpc.Server(bind=config.bind, max_workers=config.max_workers)
-    except UnicronError as exc:
-        log.error(str(exc))
-        return 1
+def setup(config: PlannerConfig, server: rpc.Server, log: logging.Logger) -> None:
     server.add(
         planner_service_pb2_grpc.add_PlannerServiceServicer_to_server,
         PlannerServicer(
@@ -58,14 +45,7 @@ def main(argv: list[str]) -> int:
         ),
         "unicron.v1.PlannerService",
     )
-    server.install_signal_handlers()
-    server.start()
-    log.info("planner serving", extra={"address": server.address})
-    server.wait()
-    shutdown_telemetry()
-    log.info("planner stopped")
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(run_server("planner", PlannerConfig, sys.argv[1:], setup))

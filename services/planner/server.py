@@ -30,48 +30,45 @@ class Limits:
     workers: int = 1
 
 
-def _field_error(path: str, exc: ValueError) -> InvalidArgument:
-    """Domain errors start with the field they concern ("Job('a').weight: ..."); report
-    them under the request path the caller used instead."""
-    problem = str(exc)
-    head, sep, tail = problem.partition(": ")
-    if sep and head.startswith("request."):
-        return InvalidArgument(head, tail)
-    if sep and "." in head:
-        return InvalidArgument(f"{path}.{head.split('.', 1)[1]}", tail)
-    return InvalidArgument(path, problem)
+def _invalid(exc: ValueError) -> InvalidArgument:
+    if isinstance(exc, domain.FieldError):
+        return InvalidArgument(exc.path, exc.message)
+    return InvalidArgument("request", str(exc))
 
 
-def _job_from_proto(j: pb.PlanJob) -> domain.Job:
+def _job_from_proto(j: pb.PlanJob, path: str) -> domain.Job:
     t = j.transition
     defaults = domain.Transition()
-    transition = domain.Transition(
-        restart_s=t.restart_seconds or defaults.restart_s,
-        resize_s=t.resize_seconds or defaults.resize_s,
-        migrate_s=t.migrate_seconds or defaults.migrate_s,
-        state_bytes=t.state_bytes,
-        bandwidth_bytes_per_s=t.bandwidth_bytes_per_second or defaults.bandwidth_bytes_per_s,
-    )
-    estimate = (
-        domain.ThroughputEstimate(parameters=j.estimate.parameters, tokens_per_step=j.estimate.tokens_per_step)
-        if j.HasField("estimate")
-        else None
-    )
-    return domain.Job(
-        job_id=j.job_id,
-        weight=j.weight,
-        tensor_parallel=j.tensor_parallel,
-        pipeline_parallel=j.pipeline_parallel,
-        min_dp=j.min_data_parallel,
-        max_dp=j.max_data_parallel,
-        throughput=dict(j.throughput) or None,
-        estimate=estimate,
-        current=dict(j.current),
-        hit_by_failure=j.hit_by_failure,
-        preemptible=j.preemptible,
-        pinned=j.pinned,
-        transition=transition,
-    )
+    with domain.field_scope(f"{path}.transition"):
+        transition = domain.Transition(
+            restart_s=t.restart_seconds or defaults.restart_s,
+            resize_s=t.resize_seconds or defaults.resize_s,
+            migrate_s=t.migrate_seconds or defaults.migrate_s,
+            state_bytes=t.state_bytes,
+            bandwidth_bytes_per_s=t.bandwidth_bytes_per_second or defaults.bandwidth_bytes_per_s,
+        )
+    estimate = None
+    if j.HasField("estimate"):
+        with domain.field_scope(f"{path}.estimate"):
+            estimate = domain.ThroughputEstimate(
+                parameters=j.estimate.parameters, tokens_per_step=j.estimate.tokens_per_step
+            )
+    with domain.field_scope(path):
+        return domain.Job(
+            job_id=j.job_id,
+            weight=j.weight,
+            tensor_parallel=j.tensor_parallel,
+            pipeline_parallel=j.pipeline_parallel,
+            min_dp=j.min_data_parallel,
+            max_dp=j.max_data_parallel,
+            throughput=dict(j.throughput) or None,
+            estimate=estimate,
+            current=dict(j.current),
+            hit_by_failure=j.hit_by_failure,
+            preemptible=j.preemptible,
+            pinned=j.pinned,
+            transition=transition,
+        )
 
 
 def request_from_proto(message: pb.PlanRequest, limits: Limits) -> domain.PlanRequest:
@@ -81,33 +78,27 @@ def request_from_proto(message: pb.PlanRequest, limits: Limits) -> domain.PlanRe
         raise ResourceExhausted(
             f"request has {len(message.nodes)} nodes; this planner accepts at most {limits.max_nodes}"
         )
-    nodes = []
-    for i, n in enumerate(message.nodes):
-        try:
-            nodes.append(
-                domain.Node(node_id=n.node_id, slots=n.slots, healthy=n.healthy, failure_domain=n.failure_domain)
-            )
-        except ValueError as exc:
-            raise _field_error(f"request.nodes[{i}]", exc) from None
-    jobs = []
-    for i, j in enumerate(message.jobs):
-        try:
-            jobs.append(_job_from_proto(j))
-        except ValueError as exc:
-            raise _field_error(f"request.jobs[{i}]", exc) from None
     try:
-        request = domain.PlanRequest(
-            nodes=tuple(nodes),
-            jobs=tuple(jobs),
-            failure_rate_per_node_per_s=message.failure_rate_per_node_per_second,
-            time_limit_s=message.time_limit_seconds or limits.default_time_limit_s,
-            max_changed_jobs=message.max_changed_jobs or None,
-            seed=message.seed,
-            workers=limits.workers,
-        )
+        nodes = []
+        for i, n in enumerate(message.nodes):
+            with domain.field_scope(f"request.nodes[{i}]"):
+                nodes.append(
+                    domain.Node(node_id=n.node_id, slots=n.slots, healthy=n.healthy, failure_domain=n.failure_domain)
+                )
+        jobs = [_job_from_proto(j, f"request.jobs[{i}]") for i, j in enumerate(message.jobs)]
+        with domain.field_scope("request"):
+            request = domain.PlanRequest(
+                nodes=tuple(nodes),
+                jobs=tuple(jobs),
+                failure_rate_per_node_per_s=message.failure_rate_per_node_per_second,
+                time_limit_s=message.time_limit_seconds or limits.default_time_limit_s,
+                max_changed_jobs=message.max_changed_jobs or None,
+                seed=message.seed,
+                workers=limits.workers,
+            )
         domain.validate(request)
     except ValueError as exc:
-        raise _field_error("request", exc) from None
+        raise _invalid(exc) from None
     return request
 
 
@@ -128,6 +119,8 @@ def result_to_proto(result: domain.PlanResult) -> pb.PlanResponse:
             size=job.size,
             changed=job.changed,
             reason=job.reason,
+            transition=job.transition,
+            transition_seconds=job.transition_s,
         )
     return reply
 

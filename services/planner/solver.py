@@ -56,15 +56,17 @@ to at least 1 so that keeping stays strictly better than an equal-valued move: j
 they are unless moving pays. ``PlanResult.objective`` is the exact ``domain.score`` of the plan
 returned; ``bound`` is the solver's bound divided by the same factor.
 
-Search. A greedy plan (``_greedy``) is the hint (and the answer if CP-SAT finds nothing
-in time). CP-SAT runs with the request's seed, workers, time limit and ``relative_gap`` (the
-search stops once the plan is proven that close to the best: status OPTIMAL, with the residual
-``gap`` reported), the full linear relaxation, and no separate search around the hint (tuned on
-``bench/planner.py``). A search cut by the time limit answers FEASIBLE with its real gap. The
-plan found is then polished (a changed job goes back to its current placement if that fits and
-earns at least as much: a search stopped within a gap may have moved a small job for nothing),
-checked by ``domain.plan_problems`` and only then returned; a plan failing the check is a bug
-and falls back to the greedy plan if that passes.
+Search. The hint (and the answer if CP-SAT finds nothing in time) is the better of two greedy
+plans (``_greedy``), one aimed at the size-only optimum of the paper's DP (``dp.plan_sizes_dp``)
+when that is cheap. CP-SAT runs with the request's seed, workers, time limit and
+``relative_gap`` (the search stops once the plan is proven that close to the best: status
+OPTIMAL, with the residual ``gap`` reported), the full linear relaxation, branching on the LP,
+and no separate search around the hint (tuned on ``bench/planner.py``). A search cut by the
+time limit answers FEASIBLE with its real gap. The plan found is then polished (a changed job
+goes back to its current placement if that fits and earns at least as much: a search stopped
+within a gap may have moved a small job for nothing), checked by ``domain.plan_problems`` and
+only then returned; a plan failing the check is a bug and falls back to the greedy plan if
+that passes.
 
 Cap on changed jobs (``max_changed_jobs``). It counts the jobs that change by the planner's
 choice: a running job that moves, resizes or is paused, and a stopped job that is started. Jobs
@@ -961,11 +963,14 @@ def _parameters(solver: cp_model.CpSolver, request: PlanRequest, time_limit_s: f
     # linearizes the encodings presolve extracts), all of it from the start rather than added
     # lazily, closes the gap several times faster; skipping the dedicated search around the
     # hint (it is still the first solution) saves seconds the main search puts to better use;
-    # probing in presolve costs more than it finds on this model.
+    # probing in presolve costs more than it finds on this model; branching on the LP solution
+    # halves the slowest solves. More workers were slower on 2 cores (the portfolio's LP
+    # worker is weaker than the single worker's), so keep ``workers`` at 1 unless measured.
     solver.parameters.linearization_level = 2
     solver.parameters.add_lp_constraints_lazily = False
     solver.parameters.hint_conflict_limit = 0
     solver.parameters.cp_model_probing_level = 0
+    solver.parameters.search_branching = cp_model.LP_SEARCH
 
 
 def _infeasible_after_solve(data: _Data, deadline: float) -> str:

@@ -47,6 +47,7 @@ def test_a_new_job_takes_the_free_slots(planner: planner_service_pb2_grpc.Planne
     assert all(v % 2 == 0 for v in plan.slots_by_node.values())
     assert reply.horizon_seconds == pytest.approx(1 / (1e-6 * 3))
     assert "started" in plan.reason
+    assert plan.transition == "migrate" and plan.transition_seconds > 0
 
 
 def test_a_lost_node_shrinks_the_job_on_it_and_says_why(planner: planner_service_pb2_grpc.PlannerServiceStub) -> None:
@@ -97,6 +98,7 @@ BAD = [
     (cluster(job(current={"n9": 2})), "request.jobs[0].current"),
     (cluster(job(current={"n1": 10})), "request.jobs[0].current"),
     (cluster(job(current={"n1": 6}), job("b", current={"n1": 4})), "request.jobs"),
+    (cluster(job(transition=pb.TransitionCosts(state_bytes=-1.0))), "request.jobs[0].transition.state_bytes"),
 ]
 
 
