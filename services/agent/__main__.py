@@ -32,7 +32,7 @@ class AgentConfig:
     monitor: bool = True
     health_period_s: float = 5.0
     hang_k: float = 3.0
-    hang_floor_s: float = 2.0
+    hang_floor_s: float = 1.0
     hang_warmup_iterations: int = 3
     max_workers: int = 32
     log_level: str = "info"

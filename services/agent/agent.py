@@ -36,8 +36,14 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 RPC_TIMEOUT_S = 5.0
 REPORT_BATCH_S = 0.2
-MONITOR_PERIOD_S = 0.25
-STACK_WAIT_S = 0.3
+MONITOR_PERIOD_S = 0.1
+STACK_WAIT_S = 0.1
+# A trainer that keeps burning CPU while no iteration finishes is more likely starved or
+# slow than hung (a hung collective sleeps, a stopped process does not run): its hang
+# verdict waits, but never longer than this many thresholds, since a GPU that hangs in
+# NCCL can spin the CPU too.
+HANG_HOLD_THRESHOLDS = 3.0
+BUSY_CORES = 0.25
 STACK_BYTES = 16 * 1024
 
 
@@ -84,6 +90,10 @@ class Agent:
         self._monitors_lock = threading.Lock()
         self._health_checks = health_checks or []
         self._health_seen: set[tuple[common_pb2.FailureKind, str]] = set()
+        self._suspected_hangs: dict[tuple[str, int], Finding] = {}
+        # Per job generation: the CPU rate of its local trainers over the last tick, in cores.
+        self._cpu_rates: dict[tuple[str, int], float] = {}
+        self._cpu_last: dict[tuple[str, int], tuple[float, float]] = {}
         self.supervisor = Supervisor(settings.work_dir, self._worker_exited)
         self.link = TrainerLink(
             settings.node_id,
@@ -214,8 +224,54 @@ class Agent:
             now = time.time()
             with self._monitors_lock:
                 findings = [f for monitor in self._monitors.values() for f in monitor.check(now)]
+                progress = {key: monitor.last_progress for key, monitor in self._monitors.items()}
+            self._sample_cpu(list(progress), now)
             for finding in findings:
-                self._report_finding(finding)
+                if finding.kind == common_pb2.FAILURE_KIND_TASK_HANG:
+                    self._suspected_hangs[(finding.job_id, finding.generation)] = finding
+                else:
+                    self._report_finding(finding)
+            for key, finding in list(self._suspected_hangs.items()):
+                verdict = self._judge_hang(key, finding, progress.get(key), now)
+                if verdict is not None:
+                    del self._suspected_hangs[key]
+                    if verdict:
+                        self._report_finding(finding)
+
+    def _judge_hang(
+        self, key: tuple[str, int], finding: Finding, last_progress: float | None, now: float
+    ) -> bool | None:
+        """True: report the hang; False: it resolved itself; None: wait (busy, maybe starved)."""
+        threshold = finding.evidence.get("threshold_s", 0.0)
+        if last_progress is None or last_progress > finding.first_seen - threshold:
+            return False  # the job was forgotten, or an iteration finished after all
+        busy = self._cpu_rates.get(key, 0.0) > BUSY_CORES
+        if busy and now < finding.first_seen + (HANG_HOLD_THRESHOLDS - 1) * threshold:
+            return None
+        finding.evidence["held_s"] = max(0.0, now - finding.first_seen)
+        finding.evidence["cpu_cores"] = self._cpu_rates.get(key, 0.0)
+        return True
+
+    def _sample_cpu(self, keys: list[tuple[str, int]], now: float) -> None:
+        for key in keys:
+            cpu = self._job_cpu_seconds(key[0])
+            previous = self._cpu_last.get(key)
+            self._cpu_last[key] = (now, cpu)
+            if previous is not None and now > previous[0]:
+                self._cpu_rates[key] = (cpu - previous[1]) / (now - previous[0])
+        for stale in set(self._cpu_last) - set(keys):
+            self._cpu_last.pop(stale, None)
+            self._cpu_rates.pop(stale, None)
+
+    def _job_cpu_seconds(self, job_id: str) -> float:
+        total = 0.0
+        for pid in self.supervisor.pids(job_id).values():
+            try:
+                times = psutil.Process(pid).cpu_times()
+                total += times.user + times.system
+            except psutil.Error:
+                pass
+        return total
 
     def _health_loop(self) -> None:
         while not self._stop.wait(self.settings.health_period_s):

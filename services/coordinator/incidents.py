@@ -28,20 +28,36 @@ def _seconds(stamp: Timestamp) -> float:
     return stamp.ToNanoseconds() / 1e9
 
 
+# Network errors of the surviving ranks are how a peer's death looks from the outside; the
+# peers can catch theirs a few milliseconds before the dead rank's agent records the exit.
+CONSEQUENCE_WINDOW_S = 2.0
+_CONSEQUENCES = frozenset(
+    {
+        pb.FAILURE_KIND_CONNECTION_RESET,
+        pb.FAILURE_KIND_CONNECTION_REFUSED,
+        pb.FAILURE_KIND_NETWORK_ERROR,
+        pb.FAILURE_KIND_COLLECTIVE_TIMEOUT,
+        pb.FAILURE_KIND_LINK_FLAPPING,
+    }
+)
+
+
 def _root(reports: list[pb.FailureReport]) -> pb.FailureReport:
-    """The earliest report explains the rest, except that a rank's own exception explains
-    that rank's exit: the exit is the consequence, the exception the cause."""
-    earliest = min(reports, key=lambda r: _seconds(r.first_seen))
-    if earliest.source == pb.DETECTION_SOURCE_PROCESS_SUPERVISION:
-        for report in reports:
-            if (
-                report.source == pb.DETECTION_SOURCE_EXCEPTION
-                and report.HasField("rank")
-                and earliest.HasField("rank")
-                and report.rank == earliest.rank
-            ):
+    """The report that explains the others. The earliest, except that (1) a network error
+    is explained by a rank's death or a node's loss seen within CONSEQUENCE_WINDOW_S of it,
+    and (2) a rank's own exception explains that rank's exit."""
+    ordered = sorted(reports, key=lambda r: _seconds(r.first_seen))
+    root = ordered[0]
+    if root.kind in _CONSEQUENCES:
+        horizon = _seconds(root.first_seen) + CONSEQUENCE_WINDOW_S
+        causes = [r for r in ordered if r.kind not in _CONSEQUENCES and _seconds(r.first_seen) <= horizon]
+        if causes:
+            root = causes[0]
+    if root.source == pb.DETECTION_SOURCE_PROCESS_SUPERVISION and root.HasField("rank"):
+        for report in ordered:
+            if report.source == pb.DETECTION_SOURCE_EXCEPTION and report.HasField("rank") and report.rank == root.rank:
                 return report
-    return earliest
+    return root
 
 
 def summary(report: pb.FailureReport) -> str:

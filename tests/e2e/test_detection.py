@@ -116,7 +116,7 @@ def test_a_stopped_trainer_is_a_hang_with_evidence(cluster: LocalCluster) -> Non
     assert incident.kind == common_pb2.FAILURE_KIND_TASK_HANG
     hang = next(r for r in incident.reports if r.kind == common_pb2.FAILURE_KIND_TASK_HANG)
     stats = dict(hang.statistics)
-    assert stats["silent_s"] > stats["threshold_s"] >= 2.0
+    assert stats["silent_s"] > stats["threshold_s"] >= 1.0
     assert "rank" in hang.stack_trace  # per-rank stacks or process states, taken before acting
     # Detected within k x mean iteration time (+ the monitor's period and the stack capture).
     assert latency(incident, fired) < stats["threshold_s"] + 1.5

@@ -78,3 +78,15 @@ def test_stragglers_do_not_end_their_job() -> None:
     slow = build(report(pb.FAILURE_KIND_STRAGGLER, pb.DETECTION_SOURCE_STATISTICAL, 1.0, rank=3))
     crash = build(report(pb.FAILURE_KIND_PROCESS_EXIT, EXIT, 1.0, rank=3))
     assert not incidents.ends_the_job(slow) and incidents.ends_the_job(crash)
+
+
+def test_a_peers_reset_seen_first_is_explained_by_the_death_just_after() -> None:
+    reset = report(pb.FAILURE_KIND_CONNECTION_RESET, EXC, 10.000, rank=0)
+    death = report(pb.FAILURE_KIND_PROCESS_EXIT, EXIT, 10.004, rank=1)
+    assert build(reset, death).kind == pb.FAILURE_KIND_PROCESS_EXIT
+
+
+def test_a_network_error_long_before_anything_else_is_its_own_cause() -> None:
+    reset = report(pb.FAILURE_KIND_CONNECTION_RESET, EXC, 10.0, rank=0)
+    later_exit = report(pb.FAILURE_KIND_PROCESS_EXIT, EXIT, 15.0, rank=0)
+    assert build(reset, later_exit).kind == pb.FAILURE_KIND_CONNECTION_RESET
