@@ -688,15 +688,22 @@ class DetectionBench:
             for i in self.client.incidents("")
             if i.job_id in jobs or (not i.job_id and _seconds(i.detected) >= started)
         ]
+        # A straggler report is a performance observation, and under the hog it is a true one:
+        # the rank that shares its core really computes slower. It is counted apart; every
+        # failure incident is a false positive.
+        false = [i for i in found if i.kind != pb.FAILURE_KIND_STRAGGLER]
+        slow = [i for i in found if i.kind == pb.FAILURE_KIND_STRAGGLER]
         return {
             "minutes": minutes,
             "cpu_hog": "one busy-loop python process (one core)",
             "jobs": len(jobs),
             "jobs_ended_by_an_incident": ended,
             "iterations": iterations,
-            "false_positives": len(found),
-            "false_positive_kinds": dict(Counter(pb.FailureKind.Name(i.kind) for i in found)),
-            "false_positive_summaries": [i.summary[:200] for i in found],
+            "false_positives": len(false),
+            "false_positive_kinds": dict(Counter(pb.FailureKind.Name(i.kind) for i in false)),
+            "false_positive_summaries": [i.summary[:200] for i in false],
+            "straggler_reports": len(slow),
+            "straggler_summaries": [i.summary[:200] for i in slow],
         }
 
 
