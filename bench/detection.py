@@ -37,11 +37,10 @@ from typing import Any
 
 import psutil
 
-from services.agent.monitor import MonitorSettings
-from unicron import jobspec
 from unicron.client import UnicronClient
 from unicron.faults import parse_fault
-from unicron.localcluster import LocalCluster
+from unicron.localcluster import LocalCluster, tiny_gpt
+from unicron.monitor import MonitorSettings
 from unicron.v1 import common_pb2 as pb
 
 RESULTS = Path(__file__).resolve().parent / "results" / "detection.json"
@@ -356,21 +355,7 @@ def _log(message: str) -> None:
 
 def small_spec(name: str, iterations: int = 100_000) -> pb.JobSpec:
     """The e2e tests' tiny GPT: two data-parallel ranks, iterations of ~0.05-0.1 s on CPU."""
-    spec = jobspec.spec_from_dict(
-        {
-            "name": name,
-            "model": {
-                "num_layers": 2,
-                "hidden_size": 64,
-                "num_attention_heads": 4,
-                "seq_length": 32,
-                "vocab_size": 128,
-            },
-            "parallelism": {"data": 2},
-            "training": {"iterations": iterations, "global_batch_size": 8, "micro_batch_size": 2, "seed": 3},
-        }
-    )
-    return jobspec.normalized(spec)
+    return tiny_gpt(name, data=2, iterations=iterations)
 
 
 def job_trainers(cluster: LocalCluster, job_id: str) -> list[psutil.Process]:

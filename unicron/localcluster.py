@@ -14,12 +14,33 @@ from pathlib import Path
 
 import psutil
 
-from unicron import rpc
+from unicron import jobspec, rpc
 from unicron.errors import Unavailable
 from unicron.redisutil import LocalRedis, free_port
 from unicron.v1 import common_pb2
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def tiny_gpt(name: str, data: int = 2, iterations: int = 100_000, seed: int = 3) -> common_pb2.JobSpec:
+    """A GPT small enough for 0.05-0.1 s iterations on a CPU core: what end-to-end tests and
+    benchmarks run on a local cluster (defaults filled, validated)."""
+    return jobspec.normalized(
+        jobspec.spec_from_dict(
+            {
+                "name": name,
+                "model": {
+                    "num_layers": 2,
+                    "hidden_size": 64,
+                    "num_attention_heads": 4,
+                    "seq_length": 32,
+                    "vocab_size": 128,
+                },
+                "parallelism": {"data": data},
+                "training": {"iterations": iterations, "global_batch_size": 8, "micro_batch_size": 2, "seed": seed},
+            }
+        )
+    )
 
 
 @dataclass

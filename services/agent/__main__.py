@@ -11,9 +11,9 @@ from pathlib import Path
 
 from services.agent.agent import Agent, AgentSettings
 from services.agent.health import default_checks
-from services.agent.monitor import MonitorSettings
 from unicron import rpc
 from unicron.config import require
+from unicron.monitor import MonitorSettings
 from unicron.service import run_server
 from unicron.v1 import trainer_service_pb2_grpc
 

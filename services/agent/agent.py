@@ -23,10 +23,10 @@ import psutil
 from google.protobuf import json_format
 
 from services.agent.health import HealthCheck, HealthFinding, run_checks
-from services.agent.monitor import Finding, JobMonitor, MonitorSettings, ReportRejected
 from services.agent.supervisor import Supervisor, WorkerExit, WorkerKey
 from services.agent.trainer_link import LinkHandlers, Rejected, TrainerLink
 from unicron import failures, rpc
+from unicron.monitor import Finding, JobMonitor, MonitorSettings, ReportRejected
 from unicron.retry import Backoff, retry
 from unicron.v1 import common_pb2, node_service_pb2_grpc, trainer_service_pb2
 from unicron.v1 import node_service_pb2 as pb

@@ -8,7 +8,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.coordinator import decide, incidents, state
 from services.coordinator.planner_client import PlannerClient
@@ -22,6 +22,7 @@ from unicron.errors import (
     Unavailable,
     UnicronError,
 )
+from unicron.monitor import JobMonitor, MonitorSettings, ReportRejected
 from unicron.ratelimit import KeyedLimiter
 from unicron.v1 import common_pb2, node_service_pb2, planner_service_pb2
 
@@ -40,6 +41,7 @@ class Settings:
     reconcile_interval_s: float = 0.5
     failure_rate_per_node_per_s: float = 1.0 / (30 * 24 * 3600)
     plan_time_limit_s: float = 2.0
+    monitor: MonitorSettings = field(default_factory=MonitorSettings)
 
 
 def event(job: common_pb2.Job, kind: int, now: float, message: str, **fields: object) -> common_pb2.JobEvent:
@@ -81,6 +83,8 @@ class Coordinator:
         self.settings = settings
         self.clock = clock
         self._started_at = clock()
+        self._monitors: dict[tuple[str, int], JobMonitor] = {}
+        self._monitors_lock = threading.Lock()
         self._report_limiter = KeyedLimiter(REPORTS_PER_NODE_PER_S, REPORTS_PER_NODE_PER_S * 2)
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -233,15 +237,18 @@ class Coordinator:
                 raise InvalidArgument(f"reports[{i}].iteration", "iterations count from 1")
             if report.job_id not in jobs:
                 jobs[report.job_id] = self.store.get_job(report.job_id)
+        now = self.clock()
         for report in reports:
+            job = jobs[report.job_id]
+            if job.assignment.generation != report.generation or state.is_terminal(job.state):
+                continue
+            self._observe(job, report, now)
             # Every rank reports; the loss is already averaged over data-parallel ranks, so
             # rank 0 speaks for the job.
-            job = jobs[report.job_id]
-            if report.rank != 0 or job.assignment.generation != report.generation or state.is_terminal(job.state):
+            if report.rank != 0:
                 continue
             if report.iteration <= job.progress.iteration:
                 continue  # a duplicate from a retried batch, or out of order: progress never goes back
-            now = self.clock()
             if job.state == state.SCHEDULED:
                 job = self._move(job.job_id, state.RUNNING, "training", only_from={state.SCHEDULED}) or job
             progress = common_pb2.JobProgress(
@@ -259,6 +266,50 @@ class Coordinator:
                 event(job, EventType.JOB_EVENT_TYPE_PROGRESS, now, message, progress=progress),
             )
             job.progress.CopyFrom(progress)
+            jobs[job.job_id] = job
+        self._check_stragglers(jobs, now)
+
+    def _observe(self, job: common_pb2.Job, report: node_service_pb2.IterationReport, now: float) -> None:
+        """Feeds the job's cross-node monitor. An agent compares only its own node's ranks;
+        here every rank of the job is compared with every other, so a slow node shows too."""
+        key = (job.job_id, job.assignment.generation)
+        with self._monitors_lock:
+            monitor = self._monitors.get(key)
+            if monitor is None:
+                for stale in [k for k in self._monitors if k[0] == job.job_id]:
+                    del self._monitors[stale]
+                monitor = self._monitors[key] = JobMonitor(
+                    job.job_id, key[1], range(job.assignment.world_size), self.settings.monitor, now
+                )
+            try:
+                monitor.observe(report.rank, report.iteration, report.seconds, report.compute_seconds, now)
+            except ReportRejected:
+                pass  # a retried batch repeats iterations; the agent already vetted each report
+
+    def _check_stragglers(self, jobs: dict[str, common_pb2.Job], now: float) -> None:
+        with self._monitors_lock:
+            findings = [
+                finding
+                for key, monitor in self._monitors.items()
+                if key[0] in jobs
+                for finding in monitor.check(now)
+                if finding.kind == common_pb2.FAILURE_KIND_STRAGGLER
+            ]
+        for finding in findings:
+            job = jobs[finding.job_id]
+            node_id = next((w.node_id for w in job.assignment.workers if finding.rank in w.ranks), "")
+            report = common_pb2.FailureReport(
+                job_id=finding.job_id,
+                generation=finding.generation,
+                rank=finding.rank,
+                node_id=node_id,
+                kind=finding.kind,
+                source=common_pb2.DETECTION_SOURCE_STATISTICAL,
+                message=finding.message,
+                statistics=finding.evidence,
+            )
+            report.first_seen.FromNanoseconds(int(finding.first_seen * 1e9))
+            self._record(report)
 
     def report_failure(self, node_id: str, report: common_pb2.FailureReport) -> common_pb2.Incident | None:
         """Records a classified report from an agent; returns its incident, or None for a
@@ -527,6 +578,10 @@ class Coordinator:
             return JobWrite([event(job, EventType.JOB_EVENT_TYPE_STATE_CHANGED, now, reason)], commands)
 
         job = self.store.update_job(job_id, mutate)
+        if moved and state.is_terminal(target):
+            with self._monitors_lock:
+                for key in [k for k in self._monitors if k[0] == job_id]:
+                    del self._monitors[key]
         if moved:
             log.info("job %s", state.state_name(target).lower(), extra={"job_id": job_id, "reason": reason})
             self._wake.set()

@@ -78,7 +78,7 @@ class FaultInjector:
         elif kind == pb.FAULT_KIND_HANG:
             self._die(signal.SIGSTOP, fault)
         elif kind == pb.FAULT_KIND_EXIT:
-            self._announce(fault, time.time())
+            self._announce(fault, time.time() + ANNOUNCE_S)
             time.sleep(ANNOUNCE_S)
             self._exit(3)
         elif kind == pb.FAULT_KIND_EXCEPTION:

@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from unicron import jobspec
 from unicron.client import UnicronClient
-from unicron.localcluster import ROOT, LocalCluster
+from unicron.localcluster import ROOT, LocalCluster, tiny_gpt
 from unicron.v1 import common_pb2
 
 pytestmark = pytest.mark.e2e
@@ -30,21 +29,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
 
 
 def start_job(client: UnicronClient, name: str, data: int = 2) -> common_pb2.Job:
-    spec = jobspec.spec_from_dict(
-        {
-            "name": name,
-            "model": {
-                "num_layers": 2,
-                "hidden_size": 64,
-                "num_attention_heads": 4,
-                "seq_length": 32,
-                "vocab_size": 128,
-            },
-            "parallelism": {"data": data},
-            "training": {"iterations": 100_000, "global_batch_size": 8, "micro_batch_size": 2, "seed": 3},
-        }
-    )
-    job = client.submit(jobspec.normalized(spec))
+    job = client.submit(tiny_gpt(name, data))
     deadline = time.monotonic() + 120
     while client.get(job.job_id).progress.iteration < 5:  # past the detectors' warm-up
         assert time.monotonic() < deadline, "job never trained"

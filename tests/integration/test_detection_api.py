@@ -171,3 +171,33 @@ def test_faults_only_go_to_running_jobs(control_plane: ControlPlane) -> None:
     with control_plane.client() as client, pytest.raises(ClientError) as error:
         client.inject(job.job_id, common_pb2.Fault(kind=common_pb2.FAULT_KIND_CRASH))
     assert error.value.code == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_a_slow_rank_on_another_node_is_a_straggler_seen_by_the_coordinator(control_plane: ControlPlane) -> None:
+    job, _ = scheduled_job(control_plane)  # ranks 0,1 on one node, 2,3 on the other
+    slow = 3
+    slow_node = next(w.node_id for w in job.assignment.workers if slow in w.ranks)
+    stub = control_plane.node_stub()
+    for iteration in range(1, 16):
+        control_plane.clock.advance(1.0)  # type: ignore[attr-defined]
+        for worker in job.assignment.workers:
+            stub.ReportProgress(
+                node_service_pb2.ReportProgressRequest(
+                    node_id=worker.node_id,
+                    reports=[
+                        node_service_pb2.IterationReport(
+                            job_id=job.job_id, generation=1, rank=rank, iteration=iteration, seconds=1.0,
+                            compute_seconds=0.8 if rank == slow else 0.4,
+                        )
+                        for rank in worker.ranks
+                    ],
+                ),
+                timeout=5,
+            )  # fmt: skip
+    with control_plane.client() as client:
+        (incident,) = client.incidents(job.job_id)
+        running = client.get(job.job_id)
+    assert incident.kind == common_pb2.FAILURE_KIND_STRAGGLER
+    assert incident.reports[0].rank == slow and incident.node_id == slow_node
+    assert incident.reports[0].statistics["score"] == pytest.approx(2.0)
+    assert running.state == common_pb2.JOB_STATE_RUNNING  # a straggler is reported, not fatal

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.agent.monitor import Finding, JobMonitor, MonitorSettings, ReportRejected, robust_mean
+from unicron.monitor import Finding, JobMonitor, MonitorSettings, ReportRejected, robust_mean
 from unicron.v1 import common_pb2
 
 HANG = common_pb2.FAILURE_KIND_TASK_HANG
