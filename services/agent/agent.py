@@ -68,6 +68,18 @@ class AgentSettings:
     trainer_command: tuple[str, ...] = (sys.executable, "-m", "services.trainer")
 
 
+def _catches(pid: int, sig: signal.Signals) -> bool:
+    """Whether a process has a handler installed for sig (Linux: SigCgt in /proc)."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    except (OSError, ValueError):
+        pass
+    return False
+
+
 def _stamp(message: common_pb2.FailureReport, at: float) -> common_pb2.FailureReport:
     message.first_seen.FromNanoseconds(int(at * 1e9))
     return message
@@ -91,6 +103,9 @@ class Agent:
         self._health_checks = health_checks or []
         self._health_seen: set[tuple[common_pb2.FailureKind, str]] = set()
         self._suspected_hangs: dict[tuple[str, int], Finding] = {}
+        # A job past its last iteration is tearing down, not hung: its silence means nothing.
+        self._last_iteration: dict[str, int] = {}
+        self._finishing: set[tuple[str, int]] = set()
         # Per job generation: the CPU rate of its local trainers over the last tick, in cores.
         self._cpu_rates: dict[tuple[str, int], float] = {}
         self._cpu_last: dict[tuple[str, int], tuple[float, float]] = {}
@@ -223,7 +238,12 @@ class Agent:
         while not self._stop.wait(MONITOR_PERIOD_S):
             now = time.time()
             with self._monitors_lock:
-                findings = [f for monitor in self._monitors.values() for f in monitor.check(now)]
+                findings = [
+                    finding
+                    for key, monitor in self._monitors.items()
+                    if key not in self._finishing
+                    for finding in monitor.check(now)
+                ]
                 progress = {key: monitor.last_progress for key, monitor in self._monitors.items()}
             self._sample_cpu(list(progress), now)
             for finding in findings:
@@ -243,7 +263,7 @@ class Agent:
     ) -> bool | None:
         """True: report the hang; False: it resolved itself; None: wait (busy, maybe starved)."""
         threshold = finding.evidence.get("threshold_s", 0.0)
-        if last_progress is None or last_progress > finding.first_seen - threshold:
+        if key in self._finishing or last_progress is None or last_progress > finding.first_seen - threshold:
             return False  # the job was forgotten, or an iteration finished after all
         busy = self._cpu_rates.get(key, 0.0) > BUSY_CORES
         if busy and now < finding.first_seen + (HANG_HOLD_THRESHOLDS - 1) * threshold:
@@ -310,6 +330,7 @@ class Agent:
             self._monitors[(start.job_id, assignment.generation)] = JobMonitor(
                 start.job_id, assignment.generation, ranks, self.settings.monitor, time.time()
             )
+            self._last_iteration[start.job_id] = start.spec.training.iterations
         for rank in ranks:
             key = WorkerKey(start.job_id, assignment.generation, rank)
             if key in self.supervisor.running(start.job_id):
@@ -334,6 +355,8 @@ class Agent:
         with self._monitors_lock:
             for key in [k for k in self._monitors if k[0] == job_id]:
                 del self._monitors[key]
+                self._finishing.discard(key)
+            self._last_iteration.pop(job_id, None)
 
     def _inject(self, inject: pb.InjectFault) -> None:
         fault = inject.fault
@@ -365,6 +388,8 @@ class Agent:
                 monitor.observe(report.rank, report.iteration, report.seconds, report.compute_seconds, time.time())
             except ReportRejected as exc:
                 raise Rejected("INVALID_ARGUMENT", str(exc)) from None
+            if report.iteration >= self._last_iteration.get(key.job_id, 0) > 0:
+                self._finishing.add((key.job_id, key.generation))
         self._reports.put(report)
 
     def _trainer_error(self, key: WorkerKey, error: trainer_service_pb2.TrainerError) -> None:
@@ -431,7 +456,9 @@ class Agent:
         for key, pid in pids.items():
             try:
                 sizes[key] = self.supervisor.stderr_path(key).stat().st_size
-                if psutil.Process(pid).status() != psutil.STATUS_STOPPED:
+                # Only a process that handles SIGUSR1 (faulthandler) may get it: for any other
+                # (not yet started, or shutting down) its default action is to terminate.
+                if psutil.Process(pid).status() != psutil.STATUS_STOPPED and _catches(pid, signal.SIGUSR1):
                     os.kill(pid, signal.SIGUSR1)
             except (OSError, psutil.Error):
                 pass
