@@ -108,6 +108,8 @@ class Supervisor:
             self._stopping.update(targets)
         for proc in targets.values():
             _signal_group(proc, signal.SIGTERM)
+            # A stopped (hung, SIGSTOPped) trainer cannot act on SIGTERM until it runs again.
+            _signal_group(proc, signal.SIGCONT)
         for key, proc in targets.items():
             try:
                 proc.wait(timeout=grace_s)
