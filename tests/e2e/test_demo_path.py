@@ -70,9 +70,11 @@ def test_job_trains_across_both_agents_and_succeeds(cluster: LocalCluster, tmp_p
     assert job["state"] == "JOB_STATE_SUCCEEDED"
     assert sorted(w["node_id"] for w in job["assignment"]["workers"]) == ["node-a", "node-b"]
     assert int(job["progress"]["iteration"]) == 12
-    # A clean run raises no incident, not even while its ranks tear down after the last step.
+    # A clean run raises no failure incident, not even while its ranks tear down after the last
+    # step. (Straggler reports can be true here: four ranks share two busy cores.)
     time.sleep(2)
-    assert json.loads(unicron(cluster, "--json", "incidents", "e2e-gpt").stdout) == []
+    incidents = json.loads(unicron(cluster, "--json", "incidents", "e2e-gpt").stdout)
+    assert [i for i in incidents if i["kind"] != "FAILURE_KIND_STRAGGLER"] == []
     table = unicron(cluster, "jobs").stdout
     assert "e2e-gpt" in table and "succeeded" in table
 
