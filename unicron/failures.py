@@ -55,6 +55,12 @@ TAXONOMY: dict[pb.FailureKind, FailureClass] = {
         FailureClass(pb.FAILURE_KIND_OUT_OF_MEMORY, pb.SEVERITY_SEV2, Action.RESTART, "out of memory"),
         FailureClass(pb.FAILURE_KIND_SOFTWARE_ERROR, pb.SEVERITY_SEV2, Action.RESTART, "software error"),
         FailureClass(pb.FAILURE_KIND_TASK_HANG, pb.SEVERITY_SEV2, Action.RESTART, "task hang"),
+        FailureClass(
+            pb.FAILURE_KIND_TRANSITION_TIMEOUT,
+            pb.SEVERITY_SEV2,
+            Action.RESTART,
+            "agent missed a transition command's deadline",
+        ),
         FailureClass(pb.FAILURE_KIND_COLLECTIVE_TIMEOUT, pb.SEVERITY_SEV3, Action.REATTEMPT, "collective timeout"),
         FailureClass(pb.FAILURE_KIND_LINK_FLAPPING, pb.SEVERITY_SEV3, Action.REATTEMPT, "link flapping"),
         FailureClass(pb.FAILURE_KIND_CONNECTION_REFUSED, pb.SEVERITY_SEV3, Action.REATTEMPT, "connection refused"),

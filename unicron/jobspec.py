@@ -98,6 +98,10 @@ def load_spec_file(path: str | Path) -> common_pb2.JobSpec:
     return spec_from_dict(data)
 
 
+# Iterations between persistent checkpoints: the restart of last resort recomputes at most this many.
+DEFAULT_CHECKPOINT_INTERVAL = 10
+
+
 def with_defaults(spec: common_pb2.JobSpec) -> common_pb2.JobSpec:
     """A copy with the documented defaults filled in (zero means 'default' in proto3)."""
     out = common_pb2.JobSpec()
@@ -110,6 +114,7 @@ def with_defaults(spec: common_pb2.JobSpec) -> common_pb2.JobSpec:
     train = out.training
     train.micro_batch_size = train.micro_batch_size or 1
     train.learning_rate = train.learning_rate or 1e-3
+    train.checkpoint_interval = train.checkpoint_interval or DEFAULT_CHECKPOINT_INTERVAL
     out.weight = out.weight or 1.0
     return out
 
