@@ -1,5 +1,6 @@
-"""`unicron`: submit and inspect jobs, list nodes. Tables for people, --json for scripts;
-errors are one line on stderr with a non-zero exit code, never a traceback."""
+"""`unicron`: submit and inspect jobs, list nodes and incidents, show the cluster's
+efficiency. Tables for people, --json for scripts; errors are one line on stderr with a
+non-zero exit code, never a traceback."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from unicron import failures, jobspec
 from unicron.client import DEFAULT_COORDINATOR, ClientError, UnicronClient
 from unicron.errors import InvalidArgument, UnicronError
 from unicron.faults import FAULT_NAMES, parse_fault
-from unicron.v1 import common_pb2
+from unicron.v1 import common_pb2, job_service_pb2
 
 EXIT_USAGE = 2
 EXIT_FAILED = 1
@@ -76,10 +77,34 @@ def job_row(job: common_pb2.Job) -> list[str]:
     ]
 
 
+_PREFIXES = ((1e18, "E"), (1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"))
+
+
+def human(value: float, unit: str) -> str:
+    """value with an SI prefix and three significant digits: 1.23 GFLOP/s, 45.6 TFLOP."""
+    if value == 0:
+        return f"0 {unit}"
+    # 999.96e9 rounds to 1000 G: show it as 1.00 T instead.
+    scale, prefix = next(((size, p) for size, p in _PREFIXES if abs(value) >= size * 0.9995), (1.0, ""))
+    scaled = value / scale
+    digits = 2 if abs(scaled) < 9.995 else 1 if abs(scaled) < 99.95 else 0
+    return f"{scaled:.{digits}f} {prefix}{unit}"
+
+
+def remedy_name(remedy: int) -> str:
+    return common_pb2.Remedy.Name(remedy).removeprefix("REMEDY_").lower() if remedy else "-"
+
+
+def waf_seconds(cost: common_pb2.FailureCost) -> float:
+    """WAF x seconds lost in all three phases (detection, transition, sub-healthy)."""
+    return cost.detection_waf_seconds + cost.transition_waf_seconds + cost.sub_healthy_waf_seconds
+
+
 def incident_row(incident: common_pb2.Incident) -> list[str]:
     detected = incident.detected.ToNanoseconds() / 1e9
     latency = detected - incident.first_seen.ToNanoseconds() / 1e9
     ranks = sorted({r.rank for r in incident.reports if r.HasField("rank")})
+    costed = incident.HasField("cost")
     return [
         incident.incident_id,
         incident.job_id or "-",
@@ -90,10 +115,60 @@ def incident_row(incident: common_pb2.Incident) -> list[str]:
         f"{len(incident.reports)} ({','.join(map(str, ranks)) or 'node'})",
         incident.recommended_action,
         incident.action_taken or "-",
+        remedy_name(incident.remedy),
+        f"{incident.cost.transition_seconds:.2f}s" if costed else "-",
+        human(waf_seconds(incident.cost), "FLOP") if costed else "-",
     ]
 
 
-INCIDENT_HEADERS = ["ID", "JOB", "KIND", "SEV", "DETECTED", "LATENCY", "REPORTS (RANKS)", "FIRST ACTION", "TAKEN"]
+# LATENCY is the detection time (first sign -> classified report); TRANSITION and COST
+# (WAF-seconds lost, i.e. weighted FLOP) are known once the job resumed.
+INCIDENT_HEADERS = [
+    "ID",
+    "JOB",
+    "KIND",
+    "SEV",
+    "DETECTED",
+    "LATENCY",
+    "REPORTS (RANKS)",
+    "FIRST ACTION",
+    "TAKEN",
+    "REMEDY",
+    "TRANSITION",
+    "COST",
+]
+
+CLUSTER_HEADERS = ["NAME", "STATE", "WEIGHT", "SLOTS", "FLOP/S", "WAF", "INCIDENTS", "COST"]
+
+
+def print_cluster(cluster: job_service_pb2.GetClusterResponse, out: TextIO) -> None:
+    out.write(f"nodes      {cluster.nodes_ready} ready, {cluster.nodes_lost} lost\n")
+    out.write(f"slots      {cluster.slots_used}/{cluster.slots_total} used\n")
+    out.write(f"WAF        {human(cluster.waf, 'FLOP/s')} (weighted achieved FLOP/s)\n")
+    plural = "" if cluster.incidents == 1 else "s"
+    out.write(
+        f"failures   {cluster.incidents} incident{plural}, "
+        f"{human(cluster.failure_waf_seconds, 'FLOP')} lost (WAF-seconds)\n"
+    )
+    if not cluster.jobs:
+        out.write("jobs       none active or recent\n")
+        return
+    out.write("\n")
+    rows = [
+        [
+            j.name,
+            state_name(j.state),
+            f"{j.weight:g}",
+            str(j.slots),
+            human(j.flops_per_second, "FLOP/s") if j.flops_per_second else "-",
+            human(j.waf, "FLOP/s") if j.waf else "-",
+            str(j.incidents),
+            human(j.failure_waf_seconds, "FLOP") if j.incidents else "-",
+        ]
+        for j in cluster.jobs
+    ]
+    table(rows, CLUSTER_HEADERS, out)
+
 
 JOB_HEADERS = ["ID", "NAME", "STATE", "ITERATION", "LOSS", "PLACEMENT", "SUBMITTED"]
 
@@ -215,6 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     cancel.add_argument("job", help="job id or name")
     cancel.add_argument("--reason", default="", help="recorded in the job's history")
     sub.add_parser("nodes", help="list nodes")
+    sub.add_parser("cluster", help="show the cluster's efficiency: slots, WAF per job, what failures cost")
     incidents = sub.add_parser("incidents", help="list failure incidents")
     incidents.add_argument("job", nargs="?", default="", help="only this job's (id or name)")
     inject = sub.add_parser(
@@ -270,6 +346,10 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
             out.write(json.dumps({"node_id": node}) + "\n") if args.json else out.write(
                 f"sent {args.fault} for rank {args.rank} to {node}\n"
             )
+            return 0
+        if args.command == "cluster":
+            cluster = client.cluster()
+            out.write(json.dumps(to_json(cluster)) + "\n") if args.json else print_cluster(cluster, out)
             return 0
         if args.command == "nodes":
             nodes = client.nodes()

@@ -87,6 +87,12 @@ class UnicronClient:
         assert isinstance(reply, job_service_pb2.InjectFaultResponse)
         return reply.node_id
 
+    def cluster(self) -> job_service_pb2.GetClusterResponse:
+        """Cluster-wide efficiency: nodes, slots, WAF per job and in total, failure cost."""
+        reply = self._call("GetCluster", job_service_pb2.GetClusterRequest())
+        assert isinstance(reply, job_service_pb2.GetClusterResponse)
+        return reply
+
     def watch(self, job_id: str, after_event_id: str = "") -> Iterator[common_pb2.JobEvent]:
         """Events until the job ends; reconnects are the caller's (pass the last event_id)."""
         try:

@@ -14,12 +14,14 @@ from pathlib import Path
 
 import psutil
 
-from unicron import jobspec, rpc
+from unicron import jobspec, redisutil, rpc
 from unicron.errors import Unavailable
 from unicron.redisutil import LocalRedis, free_port
 from unicron.v1 import common_pb2
 
 ROOT = Path(__file__).resolve().parent.parent
+# services.coordinator.lease.LEASE_KEY; its value is "<fence> <token> <host>:<pid>@<bind>".
+COORDINATOR_LEASE_KEY = "unicron:coordinator:lease"
 
 
 def tiny_gpt(name: str, data: int = 2, iterations: int = 100_000, seed: int = 3) -> common_pb2.JobSpec:
@@ -60,6 +62,10 @@ class LocalCluster:
     planners: int = 2
     redis_url: str | None = None
     heartbeat_timeout_s: float = 3.0
+    # More than one: a standby set sharing the Redis, one active through the lease; agents
+    # and clients get every address, comma-separated (see `coordinator`).
+    coordinators: int = 1
+    lease_ttl_s: float = 3.0
     fault_injection: bool = False
     agent_args: list[str] = field(default_factory=list)
     extra_env: dict[str, str] = field(default_factory=dict)
@@ -68,7 +74,37 @@ class LocalCluster:
 
     @property
     def coordinator(self) -> str:
-        return next(s.address for s in self.services if s.name == "coordinator")
+        """The coordinators' addresses, comma-separated (one address with one coordinator)."""
+        return ",".join(s.address for s in self.coordinator_services())
+
+    def coordinator_services(self) -> list[Service]:
+        """The coordinator processes: `coordinator`, then `coordinator-1`, `coordinator-2`..."""
+        return [s for s in self.services if s.name == "coordinator" or s.name.startswith("coordinator-")]
+
+    def active_coordinator(self) -> str | None:
+        """The name of the coordinator holding the lease (as Redis says: it may have just
+        died, until its lease expires), or None when no one holds it."""
+        assert self.redis_url is not None
+        client = redisutil.connect(self.redis_url)
+        try:
+            raw = client.get(COORDINATOR_LEASE_KEY)
+        finally:
+            client.close()
+        if raw is None:
+            return None
+        identity = raw.decode().split(" ", 2)[-1]  # type: ignore[union-attr]
+        return next((s.name for s in self.coordinator_services() if identity.endswith("@" + s.address)), None)
+
+    def wait_active_coordinator(self, timeout_s: float = 30.0, not_this: str | None = None) -> str:
+        """Waits until a coordinator (other than `not_this`) holds the lease and serves;
+        returns its name."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            name = self.active_coordinator()
+            if name is not None and name != not_this and rpc.wait_ready(self.service(name).address, timeout_s=0.5):
+                return name
+            time.sleep(0.05)
+        raise Unavailable(f"no coordinator took over within {timeout_s}s")
 
     def service(self, name: str) -> Service:
         return next(s for s in self.services if s.name == name)
@@ -81,19 +117,23 @@ class LocalCluster:
                 self.redis_url = self._redis.url
             planner_addresses = [self._spawn(f"planner-{i}", "services.planner", []) for i in range(self.planners)]
             self._wait_ready(planner_addresses, timeout_s)
-            coordinator = self._spawn(
-                "coordinator",
-                "services.coordinator",
-                [
-                    "--redis-url",
-                    self.redis_url,
-                    "--planners",
-                    ",".join(planner_addresses),
-                    "--heartbeat-timeout-s",
-                    str(self.heartbeat_timeout_s),
-                ],
-            )
-            self._wait_ready([coordinator], timeout_s)
+            coordinator_args = [
+                "--redis-url",
+                self.redis_url,
+                "--planners",
+                ",".join(planner_addresses),
+                "--heartbeat-timeout-s",
+                str(self.heartbeat_timeout_s),
+                "--lease-ttl-s",
+                str(self.lease_ttl_s),
+            ]
+            # The first becomes active; the others start once it serves, as standbys.
+            self._wait_ready([self._spawn("coordinator", "services.coordinator", coordinator_args)], timeout_s)
+            for i in range(1, self.coordinators):
+                self._spawn(f"coordinator-{i}", "services.coordinator", coordinator_args)
+            for service in self.coordinator_services()[1:]:
+                self._wait_standby(service, 0, timeout_s)
+            coordinator = self.coordinator
             for i in range(self.agents):
                 node_id = f"node-{chr(ord('a') + i)}"
                 self._spawn(
@@ -140,9 +180,30 @@ class LocalCluster:
         service = self.service(name)
         if service.proc.poll() is None:
             raise RuntimeError(f"{name} is still running")
+        log_start = service.log_path.stat().st_size if service.log_path.exists() else 0
         service.proc = self._popen(service.argv, service.log_path)
-        if not name.startswith("node-"):
+        if service in self.coordinator_services() and len(self.coordinator_services()) > 1:
+            # It comes back as a standby, or active if no one else holds the lease.
+            self._wait_standby(service, log_start, timeout_s, or_active=True)
+        elif not name.startswith("node-"):
             self._wait_ready([service.address], timeout_s)
+
+    def _wait_standby(self, service: Service, log_start: int, timeout_s: float, or_active: bool = False) -> None:
+        """Waits until a coordinator says (in its log, after byte `log_start`) that it is a
+        standby waiting for the lease, or serving when `or_active`."""
+        marks = [b"waiting for the coordinator lease"] + ([b"coordinator serving"] if or_active else [])
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with open(service.log_path, "rb") as log:
+                log.seek(log_start)
+                text = log.read()
+            if any(mark in text for mark in marks):
+                return
+            if service.proc.poll() is not None:
+                raise Unavailable(f"{service.name} exited with code {service.proc.returncode}; see {service.log_path}")
+            if time.monotonic() > deadline:
+                raise Unavailable(f"{service.name} not standing by after {timeout_s}s; see {service.log_path}")
+            time.sleep(0.05)
 
     def _wait_ready(self, addresses: list[str], timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

@@ -31,8 +31,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class LocalRedis:
-    """A redis-server child process on 127.0.0.1 with the append-only file on, so a
-    restart of Redis loses nothing."""
+    """A redis-server child process on 127.0.0.1 with the append-only file on and synced
+    on every write, so a restart of Redis, even after SIGKILL, loses nothing."""
 
     def __init__(self, data_dir: Path, port: int | None = None) -> None:
         self.data_dir = data_dir
@@ -56,6 +56,10 @@ class LocalRedis:
                 str(self.data_dir),
                 "--appendonly",
                 "yes",
+                # Every write reaches the disk before Redis answers: the control plane writes
+                # little, and a killed Redis must not take the last second of state with it.
+                "--appendfsync",
+                "always",
                 "--save",
                 "",
                 "--protected-mode",
@@ -75,6 +79,13 @@ class LocalRedis:
             time.sleep(0.05)
         self.stop()
         raise Unavailable(f"redis-server did not answer on port {self.port} within {timeout_s}s")
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would: no chance to flush anything."""
+        if self._proc and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+        self._proc = None
 
     def stop(self) -> None:
         if self._proc and self._proc.poll() is None:

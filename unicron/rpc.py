@@ -4,8 +4,10 @@ graceful SIGTERM), client channels, and the edge that turns domain errors into s
 from __future__ import annotations
 
 import functools
+import ipaddress
 import logging
 import signal
+import socket
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent import futures
@@ -31,8 +33,11 @@ CHANNEL_OPTIONS = [
     # gRPC's default reconnect backoff grows to 120 s: an agent whose coordinator restarted
     # would stay silent past the heartbeat timeout and be declared lost. Retry within 1 s.
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
+    # Despite its name, gRPC core reads this as the minimum time one connection attempt may
+    # take (MIN_CONNECT_TIMEOUT). At 100 ms, a busy server that sends its HTTP/2 SETTINGS a
+    # little late failed the attempt, and the call with it (UNAVAILABLE), on a loaded machine.
+    ("grpc.min_reconnect_backoff_ms", 5000),
 ]
 SERVER_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -161,14 +166,52 @@ class Server:
         self._server.wait_for_termination()
 
 
+def target(address: str) -> str:
+    """The gRPC target for `host:port`, or for a comma-separated list of them.
+
+    One address is used as it is. A list (every coordinator of a standby set) becomes one
+    `ipv4:`/`ipv6:` target, host names resolved now: gRPC's default pick_first policy tries
+    the addresses in order and keeps the first that accepts, and a standby coordinator does
+    not listen, so calls go to the active one; when it dies the channel reconnects, down
+    the same list, to whichever took over."""
+    addresses = split_addresses(address)
+    if len(addresses) <= 1:
+        return address.strip()
+    v4: list[str] = []
+    v6: list[str] = []
+    for item in addresses:
+        host, sep, port = item.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise errors.InvalidArgument("address", f"{item!r} in {address!r} must be host:port")
+        if host.startswith("["):
+            v6.append(item)
+            continue
+        try:
+            ipaddress.IPv4Address(host)
+            v4.append(item)
+            continue
+        except ValueError:
+            pass
+        try:
+            infos = socket.getaddrinfo(host, int(port), socket.AF_INET, socket.SOCK_STREAM)
+        except OSError as exc:
+            raise errors.Unavailable(f"cannot resolve {host!r}: {exc}") from None
+        v4 += list(dict.fromkeys(f"{info[4][0]}:{port}" for info in infos))
+    if v4 and v6:
+        raise errors.InvalidArgument("address", f"{address!r} mixes IPv4 and IPv6 addresses")
+    return ("ipv6:" + ",".join(v6)) if v6 else ("ipv4:" + ",".join(v4))
+
+
 def channel(address: str) -> grpc.Channel:
-    """A client channel with the shared options and tracing interceptors."""
-    return telemetry.traced_channel(grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
+    """A client channel with the shared options and tracing interceptors; `address` may
+    list several servers, comma-separated, of which one serves (see `target`)."""
+    return telemetry.traced_channel(grpc.insecure_channel(target(address), options=CHANNEL_OPTIONS))
 
 
 def wait_ready(address: str, timeout_s: float) -> bool:
-    """True once the server at address answers health checks as SERVING."""
-    with grpc.insecure_channel(address) as chan:
+    """True once the server at address (or one of the listed ones) answers health checks
+    as SERVING."""
+    with grpc.insecure_channel(target(address)) as chan:
         stub = health_pb2_grpc.HealthStub(chan)
         try:
             grpc.channel_ready_future(chan).result(timeout=timeout_s)

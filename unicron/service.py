@@ -4,7 +4,9 @@ defaults), structured logs, telemetry, a gRPC server, graceful SIGTERM, clean ex
 from __future__ import annotations
 
 import logging
+import signal
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
@@ -33,9 +35,14 @@ def run_server(
     config_class: type[C],
     argv: Sequence[str],
     setup: Callable[[C, rpc.Server, logging.Logger], Callable[[], Any] | None],
+    prepare: Callable[[C, logging.Logger, threading.Event], bool] | None = None,
 ) -> int:
     """Loads the config, then `setup` adds servicers to the server (and returns what to
-    start once it serves, if anything); serves until SIGTERM or SIGINT."""
+    start once it serves, if anything); serves until SIGTERM or SIGINT.
+
+    `prepare`, when given, runs before the port is bound (a standby waits there for its
+    lease); it gets an event set by SIGTERM or SIGINT meanwhile, and returning False ends
+    the process cleanly without serving."""
     try:
         config = load_config(
             config_class, env_prefix=f"UNICRON_{name.upper()}", argv=argv, description=f"Unicron {name}"
@@ -45,6 +52,18 @@ def run_server(
         return EXIT_CONFIG
     log = setup_logging(name, config.log_level)
     setup_telemetry(name)
+    stopping = threading.Event()
+    if prepare is not None:
+
+        def stop_preparing(signum: int, _frame: Any) -> None:
+            log.info("received %s, shutting down", signal.Signals(signum).name)
+            stopping.set()
+
+        signal.signal(signal.SIGTERM, stop_preparing)
+        signal.signal(signal.SIGINT, stop_preparing)
+        if not prepare(config, log, stopping):
+            log.info("%s stopped before serving", name)
+            return 0
     try:
         server = rpc.Server(bind=config.bind, max_workers=config.max_workers)
         after_start = setup(config, server, log)
@@ -56,6 +75,8 @@ def run_server(
     if after_start is not None:
         after_start()
     log.info("%s serving", name, extra={"address": server.address})
+    if stopping.is_set():  # a signal arrived between prepare and serving
+        server.stop()
     server.wait()
     shutdown_telemetry()
     log.info("%s stopped", name)

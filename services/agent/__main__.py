@@ -26,6 +26,10 @@ class AgentConfig:
     slots: int = 2
     failure_domain: str = ""
     work_dir: str = "run/agent"
+    # Where the job's trainers keep persistent checkpoints (a directory per job). All
+    # nodes of a job must see the same directory: a shared filesystem in a real cluster;
+    # by default <work_dir>/checkpoints, which agents on one machine share.
+    checkpoint_dir: str = ""
     stop_grace_s: float = 5.0
     fault_injection: bool = False
     # Statistical monitoring (hangs, stragglers); off only to measure what it costs.
@@ -59,6 +63,7 @@ def setup(config: AgentConfig, server: rpc.Server, log: logging.Logger) -> Calla
             slots=config.slots,
             failure_domain=config.failure_domain,
             work_dir=work_dir,
+            checkpoint_dir=Path(config.checkpoint_dir or Path(config.work_dir) / "checkpoints"),
             stop_grace_s=config.stop_grace_s,
             fault_injection=config.fault_injection,
             monitoring=config.monitor,

@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -26,6 +27,7 @@ from services.agent.health import HealthCheck, HealthFinding, run_checks
 from services.agent.supervisor import Supervisor, WorkerExit, WorkerKey
 from services.agent.trainer_link import LinkHandlers, Rejected, TrainerLink
 from unicron import failures, rpc
+from unicron import incident_trace as trace
 from unicron.monitor import Finding, JobMonitor, MonitorSettings, ReportRejected
 from unicron.retry import Backoff, retry
 from unicron.v1 import common_pb2, node_service_pb2_grpc, trainer_service_pb2
@@ -60,6 +62,7 @@ class AgentSettings:
     slots: int
     failure_domain: str
     work_dir: Path
+    checkpoint_dir: Path | None = None
     stop_grace_s: float = 5.0
     fault_injection: bool = False
     monitoring: bool = True
@@ -96,7 +99,7 @@ class Agent:
         self._registered = threading.Event()
         self._heartbeat_s = 1.0
         self._command_cursor = ""
-        self._reports: queue.Queue[pb.IterationReport] = queue.Queue()
+        self._reports: queue.Queue[pb.IterationReport | pb.ReportWorkerExitRequest] = queue.Queue()
         self._errors: dict[WorkerKey, str] = {}
         self._monitors: dict[tuple[str, int], JobMonitor] = {}
         self._monitors_lock = threading.Lock()
@@ -106,6 +109,9 @@ class Agent:
         # A job past its last iteration is tearing down, not hung: its silence means nothing.
         self._last_iteration: dict[str, int] = {}
         self._finishing: set[tuple[str, int]] = set()
+        # Jobs with a trainer that reported an error and waits for the coordinator's remedy:
+        # no hang verdicts for them until an iteration completes again.
+        self._awaiting_decision: set[tuple[str, int]] = set()
         # Per job generation: the CPU rate of its local trainers over the last tick, in cores.
         self._cpu_rates: dict[tuple[str, int], float] = {}
         self._cpu_last: dict[tuple[str, int], tuple[float, float]] = {}
@@ -222,17 +228,31 @@ class Agent:
             self._stop.wait(next(delays))
 
     def _report_loop(self) -> None:
+        """Sends iteration reports in batches and clean exits in order with them: a job's
+        last iterations reach the coordinator before the exits that finish it, even when
+        an outage held both back."""
         while not self._stop.is_set():
-            batch: list[pb.IterationReport] = []
+            items: list[pb.IterationReport | pb.ReportWorkerExitRequest] = []
             try:
-                batch.append(self._reports.get(timeout=0.5))
+                items.append(self._reports.get(timeout=0.5))
             except queue.Empty:
                 continue
             self._stop.wait(REPORT_BATCH_S)
             while not self._reports.empty():
-                batch.append(self._reports.get_nowait())
-            request = pb.ReportProgressRequest(node_id=self.settings.node_id, reports=batch)
-            self._send("progress reports", functools.partial(self._stub.ReportProgress, request, timeout=RPC_TIMEOUT_S))
+                items.append(self._reports.get_nowait())
+            batch: list[pb.IterationReport] = []
+            for item in [*items, None]:
+                if isinstance(item, pb.IterationReport):
+                    batch.append(item)
+                    continue
+                if batch:
+                    request = pb.ReportProgressRequest(node_id=self.settings.node_id, reports=batch)
+                    self._send(
+                        "progress reports", functools.partial(self._stub.ReportProgress, request, timeout=RPC_TIMEOUT_S)
+                    )
+                    batch = []
+                if item is not None:
+                    self._send_exit(item)
 
     def _monitor_loop(self) -> None:
         while not self._stop.wait(MONITOR_PERIOD_S):
@@ -241,7 +261,7 @@ class Agent:
                 findings = [
                     finding
                     for key, monitor in self._monitors.items()
-                    if key not in self._finishing
+                    if key not in self._finishing and key not in self._awaiting_decision
                     for finding in monitor.check(now)
                 ]
                 progress = {key: monitor.last_progress for key, monitor in self._monitors.items()}
@@ -263,7 +283,12 @@ class Agent:
     ) -> bool | None:
         """True: report the hang; False: it resolved itself; None: wait (busy, maybe starved)."""
         threshold = finding.evidence.get("threshold_s", 0.0)
-        if key in self._finishing or last_progress is None or last_progress > finding.first_seen - threshold:
+        if (
+            key in self._finishing
+            or key in self._awaiting_decision
+            or last_progress is None
+            or last_progress > finding.first_seen - threshold
+        ):
             return False  # the job was forgotten, or an iteration finished after all
         busy = self._cpu_rates.get(key, 0.0) > BUSY_CORES
         if busy and now < finding.first_seen + (HANG_HOLD_THRESHOLDS - 1) * threshold:
@@ -308,19 +333,72 @@ class Agent:
     def _execute(self, command: pb.NodeCommand) -> None:
         kind = command.WhichOneof("command")
         if kind == "start_workers":
-            self._start_workers(command.start_workers)
+            start = command.start_workers
+            with self._transition_span(command, "start", start.job_id, start.assignment.generation):
+                try:
+                    self._start_workers(start)
+                except OSError as exc:
+                    self._ack(command, start.job_id, start.assignment.generation, f"cannot start trainers: {exc}")
+                else:
+                    self._ack(command, start.job_id, start.assignment.generation)
         elif kind == "stop_workers":
             stop = command.stop_workers
-            log.info("stopping job", extra={"job_id": stop.job_id, "reason": stop.reason})
-            self.link.request_stop(stop.job_id, stop.reason)
-            self._forget_job(stop.job_id)
-            threading.Thread(
-                target=self.supervisor.stop, args=(stop.job_id, self.settings.stop_grace_s), daemon=True
-            ).start()
+            log.info(
+                "stopping job", extra={"job_id": stop.job_id, "reason": stop.reason, "generation": stop.generation}
+            )
+            self.link.request_stop(stop.job_id, stop.reason, stop.generation)
+            self._forget_job(stop.job_id, stop.generation)
+
+            def stop_and_ack() -> None:
+                with self._transition_span(command, "stop", stop.job_id, stop.generation):
+                    self.supervisor.stop(stop.job_id, self.settings.stop_grace_s, stop.generation)
+                self._ack(command, stop.job_id, stop.generation)
+
+            threading.Thread(target=stop_and_ack, name="stop", daemon=True).start()
+        elif kind == "reattempt":
+            with self._transition_span(command, "reattempt", command.reattempt.job_id, command.reattempt.generation):
+                self._reattempt(command.reattempt)
         elif kind == "inject_fault":
             self._inject(command.inject_fault)
         else:
             log.warning("ignoring unknown command", extra={"command_id": command.command_id})
+
+    def _transition_span(
+        self, command: pb.NodeCommand, action: str, job_id: str, generation: int
+    ) -> AbstractContextManager[object]:
+        """This node's part of an incident's transition, in the incident's trace."""
+        return trace.child_span(
+            command.traceparent,
+            trace.TRANSITION,
+            {
+                trace.ATTR_ACTION: action,
+                trace.ATTR_JOB: job_id,
+                trace.ATTR_NODE: self.settings.node_id,
+                trace.ATTR_GENERATION: generation,
+            },
+        )
+
+    def _ack(self, command: pb.NodeCommand, job_id: str, generation: int, error: str = "") -> None:
+        request = pb.AckCommandRequest(
+            node_id=self.settings.node_id,
+            command_id=command.command_id,
+            job_id=job_id,
+            generation=generation,
+            ok=not error,
+            error=error,
+        )
+        self._send("command ack", functools.partial(self._stub.AckCommand, request, timeout=RPC_TIMEOUT_S))
+
+    def _reattempt(self, reattempt: pb.Reattempt) -> None:
+        """Lets the job's live trainers here redo their interrupted iteration."""
+        message = trainer_service_pb2.ConnectResponse(
+            reattempt=trainer_service_pb2.AgentReattempt(incident_id=reattempt.incident_id)
+        )
+        told = self.link.broadcast(reattempt.job_id, message, generation=reattempt.generation)
+        log.info(
+            "reattempt in place",
+            extra={"job_id": reattempt.job_id, "incident": reattempt.incident_id, "trainers": told},
+        )
 
     def _start_workers(self, start: pb.StartWorkers) -> None:
         assignment = start.assignment
@@ -349,14 +427,21 @@ class Agent:
                     "UNICRON_TRAINER_FAULT_INJECTION": "1" if self.settings.fault_injection else "0",
                 }
             )
+            # One rank per slot: a CPU rank with a thread per core would oversubscribe the
+            # node many times over and starve the agent's own heartbeat.
+            env.setdefault("OMP_NUM_THREADS", "1")
+            if self.settings.checkpoint_dir is not None:
+                env["UNICRON_TRAINER_CHECKPOINT_DIR"] = str(self.settings.checkpoint_dir / start.job_id)
             self.supervisor.launch(key, self.settings.trainer_command, env)
 
-    def _forget_job(self, job_id: str) -> None:
+    def _forget_job(self, job_id: str, max_generation: int = 0) -> None:
         with self._monitors_lock:
-            for key in [k for k in self._monitors if k[0] == job_id]:
+            for key in [k for k in self._monitors if k[0] == job_id and (not max_generation or k[1] <= max_generation)]:
                 del self._monitors[key]
                 self._finishing.discard(key)
-            self._last_iteration.pop(job_id, None)
+                self._awaiting_decision.discard(key)
+            if not any(k[0] == job_id for k in self._monitors):
+                self._last_iteration.pop(job_id, None)
 
     def _inject(self, inject: pb.InjectFault) -> None:
         fault = inject.fault
@@ -390,10 +475,13 @@ class Agent:
                 raise Rejected("INVALID_ARGUMENT", str(exc)) from None
             if report.iteration >= self._last_iteration.get(key.job_id, 0) > 0:
                 self._finishing.add((key.job_id, key.generation))
+            self._awaiting_decision.discard((key.job_id, key.generation))
         self._reports.put(report)
 
     def _trainer_error(self, key: WorkerKey, error: trainer_service_pb2.TrainerError) -> None:
         self._errors[key] = error.message
+        with self._monitors_lock:
+            self._awaiting_decision.add((key.job_id, key.generation))
         report = common_pb2.FailureReport(
             job_id=key.job_id,
             generation=key.generation,
@@ -494,4 +582,10 @@ class Agent:
         request.exited.FromNanoseconds(int(exit.exited_at * 1e9))
         if not self.supervisor.running(exit.key.job_id):
             self._forget_job(exit.key.job_id)
+        if exit.exit_code == 0 and exit.signal == 0:
+            self._reports.put(request)  # after the rank's last iteration reports
+        else:
+            self._send_exit(request)  # a failure: at once, detection latency counts
+
+    def _send_exit(self, request: pb.ReportWorkerExitRequest) -> None:
         self._send("trainer exit", lambda: self._stub.ReportWorkerExit(request, timeout=RPC_TIMEOUT_S), deadline_s=60.0)

@@ -101,10 +101,15 @@ class Supervisor:
         with self._lock:
             return [k for k in self._procs if job_id is None or k.job_id == job_id]
 
-    def stop(self, job_id: str | None = None, grace_s: float = 5.0) -> None:
-        """SIGTERM the job's trainers (all when job_id is None), SIGKILL after grace_s."""
+    def stop(self, job_id: str | None = None, grace_s: float = 5.0, max_generation: int = 0) -> None:
+        """SIGTERM the job's trainers (all when job_id is None; only generations up to
+        max_generation unless it is 0), SIGKILL after grace_s."""
         with self._lock:
-            targets = {k: p for k, p in self._procs.items() if job_id is None or k.job_id == job_id}
+            targets = {
+                k: p
+                for k, p in self._procs.items()
+                if (job_id is None or k.job_id == job_id) and (not max_generation or k.generation <= max_generation)
+            }
             self._stopping.update(targets)
         for proc in targets.values():
             _signal_group(proc, signal.SIGTERM)

@@ -139,11 +139,23 @@ class TrainerLink(trainer_service_pb2_grpc.TrainerAgentServiceServicer):
             box.put(message)
         return box is not None
 
-    def request_stop(self, job_id: str, reason: str) -> None:
+    def request_stop(self, job_id: str, reason: str, max_generation: int = 0) -> None:
+        self.broadcast(job_id, pb.ConnectResponse(stop=pb.AgentStop(reason=reason)), max_generation)
+
+    def broadcast(self, job_id: str, message: pb.ConnectResponse, max_generation: int = 0, generation: int = 0) -> int:
+        """Sends message to the job's connected trainers (of one generation, or up to
+        max_generation); returns how many."""
         with self._lock:
-            targets = [box for key, box in self._outboxes.items() if key.job_id == job_id]
+            targets = [
+                box
+                for key, box in self._outboxes.items()
+                if key.job_id == job_id
+                and (not max_generation or key.generation <= max_generation)
+                and (not generation or key.generation == generation)
+            ]
         for box in targets:
-            box.put(pb.ConnectResponse(stop=pb.AgentStop(reason=reason)))
+            box.put(message)
+        return len(targets)
 
     def connected(self) -> list[WorkerKey]:
         with self._lock:

@@ -1,20 +1,40 @@
-"""`python -m services.coordinator`: the control plane as a process."""
+"""`python -m services.coordinator`: the control plane as a process.
+
+Any number of coordinator processes may share one Redis; one of them acts. A process first
+waits for the coordinator lease (services.coordinator.lease), logging that it is a
+standby; only once it holds the lease does it create the Coordinator, bind its gRPC port
+and start its reconcile loop. A standby does not listen, so clients and agents given every
+coordinator's address (`host:p1,host:p2`) connect to the active one. While active it
+renews the lease; if the lease is lost it exits at once with EXIT_LEASE_LOST (75) and its
+supervisor restarts it as a standby. SIGTERM releases the lease, so a standby takes over
+immediately."""
 
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import redis
+
 from services.coordinator.coordinator import Coordinator, Settings
+from services.coordinator.ladder import LadderPolicy
+from services.coordinator.lease import DEFAULT_TTL_S, EXIT_LEASE_LOST, Lease, LeaseKeeper, lease_client
+from services.coordinator.metrics import CoordinatorMetrics, setup_metrics
 from services.coordinator.planner_client import PlannerClient
 from services.coordinator.server import JobServicer, NodeServicer
 from services.coordinator.store import Store
 from unicron import redisutil, rpc
 from unicron.config import require
+from unicron.errors import UnicronError
 from unicron.service import run_server
 from unicron.v1 import job_service_pb2_grpc, node_service_pb2_grpc
+
+NAME = "coordinator"
 
 
 @dataclass(frozen=True)
@@ -29,6 +49,18 @@ class CoordinatorConfig:
     failure_rate_per_node_per_s: float = 1.0 / (30 * 24 * 3600)
     max_workers: int = 64
     log_level: str = "info"
+    # The leader lease: a standby takes over within about this long after the active dies.
+    lease_ttl_s: float = DEFAULT_TTL_S
+    # Who holds the lease, for logs and tools (default: host:pid@bind).
+    identity: str = ""
+    # The severity ladder: a remedy used this many times within the window escalates; this
+    # many remedies of any kind within the window fail the job.
+    remedy_attempts: int = 2
+    remedy_window_s: float = 600.0
+    max_remedies: int = 6
+    # Deadlines: an agent's acknowledgement of a start, a remedy's first iteration.
+    ack_timeout_s: float = 15.0
+    recovery_timeout_s: float = 180.0
 
     def __post_init__(self) -> None:
         require(":" in self.bind, "bind", "must be host:port")
@@ -41,11 +73,21 @@ class CoordinatorConfig:
         )
         require(self.reconcile_interval_s > 0, "reconcile_interval_s", "must be positive")
         require(self.max_workers >= 4, "max_workers", "must be at least 4")
+        require(self.lease_ttl_s >= 0.3, "lease_ttl_s", "must be at least 0.3")
+        require(self.remedy_attempts >= 1, "remedy_attempts", "must be at least 1")
+        require(self.remedy_window_s > 0, "remedy_window_s", "must be positive")
+        require(self.max_remedies >= 1, "max_remedies", "must be at least 1")
+        require(self.ack_timeout_s > 0, "ack_timeout_s", "must be positive")
+        require(self.recovery_timeout_s > 0, "recovery_timeout_s", "must be positive")
 
 
-def setup(config: CoordinatorConfig, server: rpc.Server, log: logging.Logger) -> Callable[[], None]:
+def setup(
+    config: CoordinatorConfig, server: rpc.Server, log: logging.Logger, lease: Lease | None = None
+) -> Callable[[], None]:
+    """Adds the servicers to the server; returns what starts the reconcile loop. With a
+    lease, every state-changing write is fenced by it."""
     coordinator = Coordinator(
-        Store(redisutil.connect(config.redis_url)),
+        Store(redisutil.connect(config.redis_url), lease=lease),
         PlannerClient(config.planners),
         Settings(
             heartbeat_interval_s=config.heartbeat_interval_s,
@@ -53,8 +95,12 @@ def setup(config: CoordinatorConfig, server: rpc.Server, log: logging.Logger) ->
             reconcile_interval_s=config.reconcile_interval_s,
             failure_rate_per_node_per_s=config.failure_rate_per_node_per_s,
             plan_time_limit_s=config.plan_time_limit_s,
+            ladder=LadderPolicy(config.remedy_attempts, config.remedy_window_s, config.max_remedies),
+            ack_timeout_s=config.ack_timeout_s,
+            recovery_timeout_s=config.recovery_timeout_s,
         ),
     )
+    coordinator.metrics = CoordinatorMetrics(coordinator.cluster)
     server.add(job_service_pb2_grpc.add_JobServiceServicer_to_server, JobServicer(coordinator), "unicron.v1.JobService")
     server.add(
         node_service_pb2_grpc.add_NodeServiceServicer_to_server, NodeServicer(coordinator), "unicron.v1.NodeService"
@@ -64,5 +110,73 @@ def setup(config: CoordinatorConfig, server: rpc.Server, log: logging.Logger) ->
     return coordinator.start
 
 
+def identity_of(config: CoordinatorConfig) -> str:
+    return config.identity or f"{socket.gethostname()}:{os.getpid()}@{config.bind}"
+
+
+def fail_stop(log: logging.Logger, reason: str) -> None:
+    """Stops acting at once: no servicer, loop or in-flight write may go on. Fenced writes
+    would be refused anyway; exiting also frees the port for nothing stale to answer."""
+    log.critical("lost the coordinator lease, stopping now: %s", reason, extra={"exit_code": EXIT_LEASE_LOST})
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    os._exit(EXIT_LEASE_LOST)
+
+
+def main(argv: Sequence[str], on_lost: Callable[[logging.Logger, str], None] = fail_stop) -> int:
+    """unicron.service.run_server's life with the lease before the port: wait for the lease
+    as a standby, then bind, serve and reconcile until SIGTERM (0) or until the lease is
+    lost (EXIT_LEASE_LOST)."""
+    holder = _LeaseHolder(on_lost)
+    return run_server(NAME, CoordinatorConfig, argv, holder.setup, prepare=holder.acquire)
+
+
+class _LeaseHolder:
+    """The lease across run_server's two steps: acquired before the port is bound, renewed
+    while serving, given back after the coordinator stopped."""
+
+    def __init__(self, on_lost: Callable[[logging.Logger, str], None]) -> None:
+        self._on_lost = on_lost
+        self._lease: Lease | None = None
+        self._keeper: LeaseKeeper | None = None
+
+    def acquire(self, config: CoordinatorConfig, log: logging.Logger, stopping: threading.Event) -> bool:
+        setup_metrics(NAME)
+        lease = Lease(lease_client(config.redis_url, config.lease_ttl_s), identity_of(config), ttl_s=config.lease_ttl_s)
+        try:
+            acquired = lease.try_acquire()
+        except redis.RedisError:  # Redis not up yet: wait for it as a standby does
+            acquired = False
+        if not acquired:
+            log.info(
+                "standby: waiting for the coordinator lease",
+                extra={"identity": lease.identity, "lease_ttl_s": config.lease_ttl_s},
+            )
+            if not lease.wait_acquire(stopping):
+                return False
+        log.info("active: holding the coordinator lease", extra={"identity": lease.identity, "fence": lease.fence})
+        self._lease = lease
+        self._keeper = LeaseKeeper(lease, on_lost=lambda reason: self._on_lost(log, reason))
+        self._keeper.start()
+        return True
+
+    def setup(self, config: CoordinatorConfig, server: rpc.Server, log: logging.Logger) -> Callable[[], None]:
+        try:
+            start = setup(config, server, log, lease=self._lease)
+        except UnicronError:
+            self._give_back(log)
+            raise
+        # After the coordinator stopped (setup's callback runs first): give the lease back,
+        # so a standby takes over now instead of after the TTL.
+        server.on_stop(lambda: self._give_back(log))
+        return start
+
+    def _give_back(self, log: logging.Logger) -> None:
+        if self._keeper is not None:
+            self._keeper.stop()
+        if self._lease is not None and self._lease.release():
+            log.info("released the coordinator lease")
+
+
 if __name__ == "__main__":
-    sys.exit(run_server("coordinator", CoordinatorConfig, sys.argv[1:], setup))
+    sys.exit(main(sys.argv[1:]))

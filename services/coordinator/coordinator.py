@@ -10,10 +10,13 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from services.coordinator import decide, incidents, state
+from services.coordinator import cost, decide, incidents, ladder, state, transitions
+from services.coordinator.ladder import LadderPolicy
+from services.coordinator.metrics import CoordinatorMetrics
 from services.coordinator.planner_client import PlannerClient
 from services.coordinator.store import JobWrite, Store, new_incident_id, new_job_id
 from unicron import failures, jobspec, redisutil
+from unicron import incident_trace as trace
 from unicron.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -24,11 +27,15 @@ from unicron.errors import (
 )
 from unicron.monitor import JobMonitor, MonitorSettings, ReportRejected
 from unicron.ratelimit import KeyedLimiter
-from unicron.v1 import common_pb2, node_service_pb2, planner_service_pb2
+from unicron.retry import Backoff
+from unicron.v1 import common_pb2, job_service_pb2, node_service_pb2, planner_service_pb2
 
 log = logging.getLogger(__name__)
 
 EventType = common_pb2.JobEventType
+
+# How often incidents are charged for their jobs' sub-healthy running.
+SUB_HEALTHY_PERIOD_S = 5.0
 
 # An agent batches its trainers' reports every 0.2 s; this leaves room for bursts.
 REPORTS_PER_NODE_PER_S = 100.0
@@ -42,6 +49,13 @@ class Settings:
     failure_rate_per_node_per_s: float = 1.0 / (30 * 24 * 3600)
     plan_time_limit_s: float = 2.0
     monitor: MonitorSettings = field(default_factory=MonitorSettings)
+    ladder: LadderPolicy = field(default_factory=LadderPolicy)
+    # An agent acknowledges start and stop commands within this; a missed start is a failure.
+    ack_timeout_s: float = 15.0
+    # A remedy that brings back no iteration within this is a failed remedy (escalated).
+    recovery_timeout_s: float = 180.0
+    # A planner that is down or finds no plan is asked again after a backoff up to this.
+    replan_backoff_max_s: float = 30.0
 
 
 def event(job: common_pb2.Job, kind: int, now: float, message: str, **fields: object) -> common_pb2.JobEvent:
@@ -50,19 +64,25 @@ def event(job: common_pb2.Job, kind: int, now: float, message: str, **fields: ob
     return out
 
 
-def _stop_commands(job: common_pb2.Job, reason: str, skip: str = "") -> list[tuple[str, node_service_pb2.NodeCommand]]:
-    return [
-        (
-            node_id,
-            node_service_pb2.NodeCommand(stop_workers=node_service_pb2.StopWorkers(job_id=job.job_id, reason=reason)),
-        )
-        for node_id in decide.nodes_of(job)
-        if node_id != skip
-    ]
-
-
 class _NoOpenIncident(Exception):
     pass
+
+
+_NOT_YET_RUNNING = (common_pb2.WORKER_STATE_STARTING, common_pb2.WORKER_STATE_LAUNCHED)
+
+
+def _resumes(job: common_pb2.Job, report: node_service_pb2.IterationReport) -> bool:
+    """Whether rank 0's report is the job's first iteration after a remedy or a move. A
+    reattempt keeps the generation: only an iteration beyond the last one counts. Any
+    other remedy started a new generation, which may restart from an older iteration."""
+    if job.state != state.RECOVERING:
+        return False
+    pending = _pending_remedy(job)
+    if pending is None:
+        return True
+    if pending.remedy == common_pb2.REMEDY_REATTEMPT:
+        return report.iteration > job.progress.iteration
+    return pending.generation == report.generation
 
 
 def _last_line(text: str, limit: int = 300) -> str:
@@ -77,14 +97,24 @@ class Coordinator:
         planner: PlannerClient,
         settings: Settings = Settings(),
         clock: Callable[[], float] = time.time,
+        metrics: CoordinatorMetrics | None = None,
     ) -> None:
         self.store = store
+        self.metrics = metrics
         self.planner = planner
         self.settings = settings
         self.clock = clock
         self._started_at = clock()
+        # Why the next reconcile step should ask the planner for a new plan ("" = no need),
+        # and not before when (a backoff after a planner outage or an INFEASIBLE answer).
+        self._replan_reason = ""
+        self._replan_not_before = 0.0
+        self._replan_delays: Iterator[float] | None = None
+        self._last_accrual = 0.0
         self._monitors: dict[tuple[str, int], JobMonitor] = {}
         self._monitors_lock = threading.Lock()
+        # Reentrant: a remedy that isolates a node records the incidents of its other jobs.
+        self._incidents_lock = threading.RLock()
         self._report_limiter = KeyedLimiter(REPORTS_PER_NODE_PER_S, REPORTS_PER_NODE_PER_S * 2)
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -131,12 +161,13 @@ class Coordinator:
         def mutate(job: common_pb2.Job) -> JobWrite:
             if state.is_terminal(job.state):
                 raise FailedPrecondition(f"job {job.job_id} already ended ({state.state_name(job.state)})")
-            commands = _stop_commands(job, why)
+            commands = transitions.stop(job, now, why, self.settings.ack_timeout_s, self._unreachable())
             state.transition(job, state.CANCELLED, now, why)
             return JobWrite([event(job, EventType.JOB_EVENT_TYPE_STATE_CHANGED, now, why)], commands)
 
         job = self.store.update_job(job_id, mutate)
         log.info("job cancelled", extra={"job_id": job_id})
+        self._want_replan("a job was cancelled")
         return job
 
     def watch(self, job_id: str, after_event_id: str, is_active: Callable[[], bool]) -> Iterator[common_pb2.JobEvent]:
@@ -189,7 +220,8 @@ class Coordinator:
         node.last_heartbeat.FromNanoseconds(int(now * 1e9))
         last_command = self.store.put_node(node, now)
         log.info("node registered", extra={"node_id": node_id, "address": address, "slots": slots})
-        self._wake.set()
+        if previous is None or previous.state != common_pb2.NODE_STATE_READY or previous.slots != slots:
+            self._want_replan(f"node {node_id} joined")
         return node, last_command
 
     def heartbeat(self, node_id: str) -> bool:
@@ -240,34 +272,153 @@ class Coordinator:
         now = self.clock()
         for report in reports:
             job = jobs[report.job_id]
-            if job.assignment.generation != report.generation or state.is_terminal(job.state):
+            if job.assignment.generation != report.generation:
+                continue
+            if state.is_terminal(job.state):
+                # Reports held back by an outage can arrive after the exits that ended the
+                # job: they are still its true last iterations, but change nothing else.
+                if report.rank == 0 and report.iteration > job.progress.iteration:
+                    self._set_progress(job, report, now)
                 continue
             self._observe(job, report, now)
+            if any(w.node_id == node_id and w.state in _NOT_YET_RUNNING for w in job.workers):
+                job = _with_progress(
+                    self.store.update_job(
+                        job.job_id,
+                        lambda current: JobWrite() if transitions.mark_running(current, node_id, now) else None,
+                    ),
+                    job,
+                )
             # Every rank reports; the loss is already averaged over data-parallel ranks, so
             # rank 0 speaks for the job.
             if report.rank != 0:
                 continue
-            if report.iteration <= job.progress.iteration:
+            resuming = _resumes(job, report)
+            if report.iteration <= job.progress.iteration and not resuming:
                 continue  # a duplicate from a retried batch, or out of order: progress never goes back
-            if job.state == state.SCHEDULED:
-                job = self._move(job.job_id, state.RUNNING, "training", only_from={state.SCHEDULED}) or job
-            progress = common_pb2.JobProgress(
-                iteration=report.iteration,
-                loss=report.loss,
-                iteration_seconds=report.seconds,
-                tokens=job.progress.tokens + report.tokens,
-                flops_per_second=report.flops / report.seconds if report.seconds > 0 else 0.0,
-            )
-            progress.updated.FromNanoseconds(int(now * 1e9))
-            message = f"iteration {report.iteration}/{job.spec.training.iterations} loss {report.loss:.4f}"
-            self.store.set_progress(
-                job.job_id,
-                progress,
-                event(job, EventType.JOB_EVENT_TYPE_PROGRESS, now, message, progress=progress),
-            )
-            job.progress.CopyFrom(progress)
+            if resuming:
+                job = _with_progress(self._resume(job, report, now) or job, job)
+            elif job.state == state.SCHEDULED:
+                moved = self._move(job.job_id, state.RUNNING, "training", only_from={state.SCHEDULED})
+                job = _with_progress(moved or job, job)
+            self._set_progress(job, report, now)
             jobs[job.job_id] = job
         self._check_stragglers(jobs, now)
+
+    def _set_progress(self, job: common_pb2.Job, report: node_service_pb2.IterationReport, now: float) -> None:
+        """Stores rank 0's report as the job's progress (and updates `job` to match)."""
+        progress = common_pb2.JobProgress(
+            iteration=report.iteration,
+            loss=report.loss,
+            iteration_seconds=report.seconds,
+            tokens=job.progress.tokens + report.tokens,
+            flops_per_second=report.flops / report.seconds if report.seconds > 0 else 0.0,
+        )
+        progress.updated.FromNanoseconds(int(now * 1e9))
+        message = f"iteration {report.iteration}/{job.spec.training.iterations} loss {report.loss:.4f}"
+        self.store.set_progress(
+            job.job_id,
+            progress,
+            event(job, EventType.JOB_EVENT_TYPE_PROGRESS, now, message, progress=progress),
+        )
+        job.progress.CopyFrom(progress)
+
+    def _resume(
+        self, job: common_pb2.Job, report: node_service_pb2.IterationReport, now: float
+    ) -> common_pb2.Job | None:
+        """The first iteration after a remedy or a re-plan: the job runs again."""
+        previous = job.progress.iteration
+        pending_now = _pending_remedy(job)
+        source, restored = report.state_source, report.restored_iteration
+        if not source and pending_now is not None and pending_now.remedy == common_pb2.REMEDY_REATTEMPT:
+            # Only the rank that failed says so; its peers waited with their state intact.
+            source, restored = "live", report.iteration - 1
+        source = source or "unknown"
+        recomputed = max(0, previous - restored) if source != "live" else 0
+        resumed: common_pb2.RemedyAttempt | None = None
+
+        def mutate(current: common_pb2.Job) -> JobWrite | None:
+            nonlocal resumed
+            if current.state != state.RECOVERING or current.assignment.generation != report.generation:
+                return None
+            pending = _pending_remedy(current)
+            if pending is not None:
+                pending.resumed.FromNanoseconds(int(now * 1e9))
+                resumed = pending
+            what = ladder.remedy_name(pending.remedy) if pending is not None else "re-plan"
+            reason = (
+                f"training resumed after {what} at iteration {report.iteration} "
+                f"(state: {source} at iteration {restored}, {recomputed} iterations recomputed)"
+            )
+            state.transition(current, state.RUNNING, now, reason)
+            out = event(current, EventType.JOB_EVENT_TYPE_RESUMED, now, reason)
+            out.incident_id = pending.incident_id if pending is not None else ""
+            return JobWrite([out])
+
+        updated = self.store.update_job(job.job_id, mutate)
+        if updated.version == job.version:
+            return None
+        log.info("job resumed", extra={"job_id": job.job_id, "iteration": report.iteration, "source": source})
+        if resumed is not None:
+            self._close_incident(updated, resumed, report, now)
+        return updated
+
+    def _close_incident(
+        self,
+        job: common_pb2.Job,
+        attempt: common_pb2.RemedyAttempt,
+        report: node_service_pb2.IterationReport,
+        now: float,
+    ) -> None:
+        incident = next(
+            (i for i in self.store.list_incidents(job.job_id) if i.incident_id == attempt.incident_id), None
+        )
+        if incident is None:
+            return
+        resumed_waf = job.spec.weight * (report.flops / report.seconds if report.seconds > 0 else 0.0)
+
+        def edit(current: common_pb2.Incident) -> None:
+            current.resumed.FromNanoseconds(int(now * 1e9))
+            healthy_slots = current.cost.healthy_slots
+            current.cost.CopyFrom(cost.incident_cost(current, current.cost.healthy_waf, resumed_waf, now))
+            current.cost.healthy_slots = healthy_slots
+            current.cost.resumed_slots = job.assignment.world_size
+            current.cost.sub_healthy_waf = cost.size_loss(
+                current.cost.healthy_waf, healthy_slots, job.assignment.world_size
+            )
+
+        self._update_incident(incident, edit)
+        trace.record_span(
+            attempt.traceparent,
+            trace.RESUMED,
+            attempt.started,
+            now,
+            {
+                trace.ATTR_JOB: job.job_id,
+                trace.ATTR_ITERATION: report.iteration,
+                trace.ATTR_STATE_SOURCE: report.state_source
+                or ("live" if attempt.remedy == common_pb2.REMEDY_REATTEMPT else "unknown"),
+                trace.ATTR_GENERATION: report.generation,
+            },
+        )
+        trace.finish_incident(
+            attempt.traceparent,
+            incident.first_seen,
+            now,
+            {
+                trace.ATTR_INCIDENT_ID: incident.incident_id,
+                trace.ATTR_JOB: job.job_id,
+                trace.ATTR_REMEDY: ladder.remedy_name(attempt.remedy),
+                trace.ATTR_FAILURE_KIND: failures.kind_name(incident.kind),
+                "unicron.outcome": "resumed",
+            },
+        )
+        if self.metrics is not None:
+            stored = next(
+                (i for i in self.store.list_incidents(job.job_id) if i.incident_id == incident.incident_id), None
+            )
+            if stored is not None:
+                self.metrics.record_incident(stored)
 
     def _observe(self, job: common_pb2.Job, report: node_service_pb2.IterationReport, now: float) -> None:
         """Feeds the job's cross-node monitor. An agent compares only its own node's ranks;
@@ -339,11 +490,15 @@ class Coordinator:
             job = self.store.get_job(request.job_id)
         except NotFound:
             return
-        if job.assignment.generation != request.generation or state.is_terminal(job.state):
+        if job.assignment.generation != request.generation or job.state not in state.ACTIVE:
             return
         code = -request.signal if request.signal else request.exit_code
         exits = self.store.record_exit(job.job_id, request.generation, request.rank, code)
-        if code != 0:
+        stopping = any(
+            w.node_id == request.node_id and w.generation == request.generation and w.state == state.WORKER_STOPPING
+            for w in job.workers
+        )
+        if code != 0 and not stopping:
             exited = request.exited.ToNanoseconds() / 1e9 if request.HasField("exited") else self.clock()
             self._record(
                 incidents.worker_exit_report(
@@ -402,21 +557,58 @@ class Coordinator:
         log.info("fault sent", extra={"job_id": job.job_id, "node_id": node_id, "fault": str(fault).replace("\n", " ")})
         return node_id
 
+    def ack_command(self, request: node_service_pb2.AckCommandRequest) -> None:
+        """An agent confirms a start or stop; late and duplicate acks change nothing, an ack
+        for a job that does not exist is NOT_FOUND."""
+        if not request.node_id:
+            raise InvalidArgument("node_id", "is required")
+        if not request.job_id:
+            raise InvalidArgument("job_id", "is required")
+        now = self.clock()
+        self.store.update_job(
+            self.get(request.job_id).job_id,
+            lambda job: JobWrite()
+            if transitions.acknowledge(job, request.node_id, request.generation, request.ok, request.error, now)
+            else None,
+        )
+        if not request.ok:
+            log.warning(
+                "agent could not carry out a command",
+                extra={"node_id": request.node_id, "job_id": request.job_id, "error": request.error},
+            )
+
+    def cluster(self) -> job_service_pb2.GetClusterResponse:
+        return cost.cluster_summary(
+            self.store.list_jobs(), self.store.list_nodes(), self.store.list_incidents(), self.clock()
+        )
+
     def list_incidents(self, job_id: str = "") -> list[common_pb2.Incident]:
         return self.store.list_incidents(self.get(job_id).job_id if job_id else "")
 
     def _record(self, report: common_pb2.FailureReport, create: bool = True) -> common_pb2.Incident | None:
         """Adds a report to its incident; a new incident of a job is announced on the job's
-        event log and, until the self-healing loop exists, ends the job. With create=False
-        a report only joins an open incident (None when there is none)."""
+        event log and gets its remedy. With create=False a report only joins an open
+        incident (None when there is none).
+
+        One report at a time: the ranks of a job report one failure within milliseconds of
+        each other, and each must see the remedy the one before it chose (a rank's exit
+        that arrives just after its peers' connection resets turns their reattempt into a
+        restart, instead of racing it)."""
+        with self._incidents_lock:
+            return self._record_one(report, create)
+
+    def _record_one(self, report: common_pb2.FailureReport, create: bool) -> common_pb2.Incident | None:
         now = self.clock()
         key = incidents.incident_key(report)
 
         def update(current: common_pb2.Incident | None) -> common_pb2.Incident:
-            open_incident = current if current is not None and incidents.is_open(current, now) else None
+            open_incident = current if current is not None and incidents.is_open(current, now, report) else None
             if open_incident is None and not create:
                 raise _NoOpenIncident
-            return incidents.merge(open_incident, report, now, new_incident_id())
+            merged = incidents.merge(open_incident, report, now, new_incident_id())
+            if open_incident is None:
+                merged.traceparent = trace.new_incident_context()
+            return merged
 
         try:
             incident, created = self.store.upsert_incident(key, update)
@@ -432,29 +624,226 @@ class Coordinator:
                 "node_id": report.node_id,
             },
         )
-        if not created or not incident.job_id:
+        if created and incident.job_id:
+            job = self.store.get_job(incident.job_id)
+            failure = event(job, EventType.JOB_EVENT_TYPE_FAILURE, now, incident.summary, failure_kind=incident.kind)
+            failure.incident_id = incident.incident_id
+            self.store.append_event(job.job_id, failure)
+        if incident.kind == common_pb2.FAILURE_KIND_STRAGGLER:
+            return incident  # a performance report: the planner may route around it, nothing to heal
+        if created:
+            trace.record_span(
+                incident.traceparent,
+                trace.DETECT,
+                incident.first_seen,
+                incident.detected,
+                {
+                    trace.ATTR_INCIDENT_ID: incident.incident_id,
+                    trace.ATTR_JOB: incident.job_id,
+                    trace.ATTR_NODE: incident.node_id,
+                    trace.ATTR_DETECTION_SOURCE: common_pb2.DetectionSource.Name(report.source),
+                },
+            )
+        if incident.job_id and incidents.is_consequence(incident.kind) and incident.remedy == 0:
+            # A network error is often how a peer's death looks from outside, and the
+            # death's own report is a few milliseconds behind: decide after a short hold
+            # (the reconcile loop), unless a report that explains it arrives first.
+            if created:
+                threading.Timer(incidents.DECISION_HOLD_S, self._wake.set).start()
             return incident
-        job = self.store.get_job(incident.job_id)
-        failure = event(job, EventType.JOB_EVENT_TYPE_FAILURE, now, incident.summary, failure_kind=incident.kind)
-        failure.incident_id = incident.incident_id
-        self.store.append_event(job.job_id, failure)
-        if incidents.ends_the_job(incident):
-            skip = report.node_id if report.kind == common_pb2.FAILURE_KIND_NODE_LOST else ""
-            if self._move(
-                job.job_id, state.FAILED, incident.summary, only_from=state.ACTIVE, stop_workers=True, skip_node=skip
-            ):
-                self._set_action(key, incident.incident_id, "job failed")
+        if created or (incident.job_id and incident.remedy == common_pb2.REMEDY_UNSPECIFIED):
+            self._respond(incident)
+        elif incident.remedy == common_pb2.REMEDY_REATTEMPT and incidents.needs_heavier_remedy(incident):
+            # Later evidence (a rank's exit) shows the reattempt cannot work: decide again.
+            self._respond(incident)
         return incident
 
-    def _set_action(self, key: str, incident_id: str, action: str) -> None:
+    def _decide_held(self, now: float) -> None:
+        """Responds to the network-error incidents whose hold is over (also after a restart
+        of the coordinator, which finds them undecided in the store)."""
+        for incident in self.store.list_incidents(limit=50):
+            if (
+                incident.job_id
+                and incident.remedy == common_pb2.REMEDY_UNSPECIFIED
+                and incidents.is_consequence(incident.kind)
+                and now - incident.detected.ToNanoseconds() / 1e9 >= incidents.DECISION_HOLD_S
+                and incidents.is_open(incident, now)
+            ):
+                with self._incidents_lock:
+                    current = next(
+                        (
+                            i
+                            for i in self.store.list_incidents(incident.job_id)
+                            if i.incident_id == incident.incident_id
+                        ),
+                        None,
+                    )
+                    if current is not None and current.remedy == common_pb2.REMEDY_UNSPECIFIED:
+                        self._respond(current)
+
+    # ---- the self-healing ladder ------------------------------------------------------
+
+    def _respond(self, incident: common_pb2.Incident) -> None:
+        """Picks the incident's remedy by the ladder and starts it."""
+        if not incident.job_id:
+            if incident.severity == common_pb2.SEVERITY_SEV1 and incident.kind != common_pb2.FAILURE_KIND_NODE_LOST:
+                self._isolate(incident)
+            return
+        job = self.store.get_job(incident.job_id)
+        if job.state not in state.ACTIVE or job.assignment.generation != incident.generation:
+            return
+        ready = {n.node_id for n in self.store.list_nodes() if n.state == common_pb2.NODE_STATE_READY}
+        decision = ladder.choose(
+            incident.kind,
+            job.remedies,
+            self.clock(),
+            self.settings.ladder,
+            ranks_alive=incidents.ranks_alive(incident),
+            placement_ready=all(node_id in ready for node_id in decide.nodes_of(job)),
+        )
+        self._apply(incident, decision, healthy_waf=cost.job_waf(job), healthy_slots=job.assignment.world_size)
+
+    def _apply(
+        self, incident: common_pb2.Incident, decision: ladder.Decision, healthy_waf: float, healthy_slots: int
+    ) -> None:
+        now = self.clock()
+        settings = self.settings
+        remedy = decision.remedy
+        unreachable = self._unreachable()
+        applied = False
+
+        def mutate(job: common_pb2.Job) -> JobWrite | None:
+            nonlocal applied
+            if job.state not in state.ACTIVE or job.assignment.generation != incident.generation:
+                return None
+            if remedy is None:
+                reason = f"{incident.summary}; {decision.reason}"
+                commands = transitions.stop(job, now, reason, settings.ack_timeout_s, unreachable)
+                state.transition(job, state.FAILED, now, reason)
+                applied = True
+                return JobWrite([event(job, EventType.JOB_EVENT_TYPE_STATE_CHANGED, now, reason)], commands)
+            attempt = job.remedies.add(
+                incident_id=incident.incident_id,
+                remedy=remedy,
+                reason=decision.reason,
+                traceparent=incident.traceparent,
+            )
+            attempt.started.FromNanoseconds(int(now * 1e9))
+            name = ladder.remedy_name(remedy)
+            if remedy == common_pb2.REMEDY_REATTEMPT:
+                attempt.generation = job.assignment.generation
+                commands = transitions.reattempt(job, incident.incident_id)
+            elif remedy == common_pb2.REMEDY_RESTART:
+                commands = transitions.stop(
+                    job, now, f"restart: {incident.summary}", settings.ack_timeout_s, unreachable
+                )
+                placement = decide.slots_by_node(job)
+                assignment = self._new_assignment(job, placement)
+                attempt.generation = assignment.generation
+                commands += transitions.start(
+                    job, assignment, now, f"restart after {incident.incident_id}", settings.ack_timeout_s
+                )
+            else:
+                # The re-plan moves the job off the isolated node; generation set then.
+                commands = []
+            state.transition(job, state.RECOVERING, now, f"{name}: {incident.summary}")
+            applied = True
+            message = f"{name} for incident {incident.incident_id}: {decision.reason}"
+            remedy_event = event(job, EventType.JOB_EVENT_TYPE_REMEDY, now, message)
+            remedy_event.incident_id = incident.incident_id
+            for _, command in commands:
+                command.traceparent = incident.traceparent
+            return JobWrite([remedy_event], commands)
+
+        job = self.store.update_job(incident.job_id, mutate)
+        if not applied:
+            return
+        log.warning(
+            "remedy chosen",
+            extra={
+                "incident": incident.incident_id,
+                "job_id": job.job_id,
+                "remedy": ladder.remedy_name(remedy) if remedy else "fail",
+                "reason": decision.reason,
+            },
+        )
+
+        def note(current: common_pb2.Incident) -> None:
+            current.action_taken = (
+                f"{ladder.remedy_name(remedy)}: {decision.reason}" if remedy else f"job failed: {decision.reason}"
+            )
+            if remedy:
+                current.remedy = remedy  # type: ignore[assignment]
+                current.remedy_started.FromNanoseconds(int(now * 1e9))
+                current.cost.healthy_waf = healthy_waf
+                current.cost.healthy_slots = healthy_slots
+
+        self._update_incident(incident, note)
+        trace.record_span(
+            incident.traceparent,
+            trace.CLASSIFY,
+            incident.detected,
+            now,
+            {
+                trace.ATTR_FAILURE_KIND: failures.kind_name(incident.kind),
+                trace.ATTR_SEVERITY: failures.severity_name(incident.severity),
+                trace.ATTR_REMEDY: ladder.remedy_name(remedy) if remedy else "fail",
+                "unicron.remedy.reason": decision.reason,
+            },
+        )
+        if remedy is None:
+            trace.finish_incident(
+                incident.traceparent,
+                incident.first_seen,
+                now,
+                {trace.ATTR_INCIDENT_ID: incident.incident_id, trace.ATTR_JOB: job.job_id, "unicron.outcome": "failed"},
+            )
+            self._forget_monitors(job.job_id)
+            self._want_replan(f"job {job.job_id} failed")
+        elif remedy == common_pb2.REMEDY_RECONFIGURE:
+            self._isolate(incident)
+            self._want_replan(f"incident {incident.incident_id} needs a new plan")
+
+    def _isolate(self, incident: common_pb2.Incident) -> None:
+        """Takes the incident's node out of the plan (SEV1) and opens an incident for every
+        job with ranks there, unless it is already lost."""
+        node_id = incident.node_id
+        if not node_id or not self.store.set_node_state(
+            node_id, common_pb2.NODE_STATE_ISOLATED, expected=common_pb2.NODE_STATE_READY
+        ):
+            return
+        log.warning("node isolated", extra={"node_id": node_id, "incident": incident.incident_id})
+        root = next(r for r in incident.reports if r.kind == incident.kind)
+        for job in self.store.list_jobs():
+            if job.job_id != incident.job_id and job.state in state.ACTIVE and node_id in decide.nodes_of(job):
+                report = common_pb2.FailureReport()
+                report.CopyFrom(root)
+                report.job_id, report.generation = job.job_id, job.assignment.generation
+                report.ClearField("rank")
+                report.message = f"node {node_id} isolated: {incident.summary}"
+                self._record(report)
+        self._want_replan(f"node {node_id} isolated")
+
+    def _update_incident(self, incident: common_pb2.Incident, edit: Callable[[common_pb2.Incident], None]) -> None:
+        """Compare-and-set edit of an incident that is still the open one under its key;
+        an older one (its key moved on) is rewritten from the copy at hand."""
+        key = incidents.incident_key(incident.reports[0])
+
         def update(current: common_pb2.Incident | None) -> common_pb2.Incident:
-            assert current is not None and current.incident_id == incident_id
+            if current is None or current.incident_id != incident.incident_id:
+                raise _NoOpenIncident
             out = common_pb2.Incident()
             out.CopyFrom(current)
-            out.action_taken = action
+            edit(out)
             return out
 
-        self.store.upsert_incident(key, update)
+        try:
+            self.store.upsert_incident(key, update)
+        except _NoOpenIncident:
+            out = common_pb2.Incident()
+            out.CopyFrom(incident)
+            edit(out)
+            self.store.set_incident(out)
 
     # ---- reconcile loop ---------------------------------------------------------------
 
@@ -480,14 +869,56 @@ class Coordinator:
             self._wake.clear()
 
     def reconcile_once(self) -> None:
+        """Observe (nodes, jobs), decide (pure functions in decide.py), act."""
         now = self.clock()
         nodes = self.store.list_nodes()
         by_id = {node.node_id: node for node in nodes}
         for node_id in decide.lost_nodes(now, nodes, self.settings.heartbeat_timeout_s, self._started_at):
             self._lose_node(by_id[node_id])
+        self._decide_held(now)
         jobs = self.store.list_jobs()
-        if any(job.state == state.PENDING for job in jobs):
-            self._schedule(jobs, self.store.list_nodes())
+        for job_id, node_id in decide.overdue_workers(now, jobs):
+            self._missed_ack(job_id, node_id, now)
+        for job_id in decide.stalled_recoveries(now, jobs, self.settings.recovery_timeout_s):
+            self._stalled(job_id, now)
+        if now - self._last_accrual >= SUB_HEALTHY_PERIOD_S:
+            self._accrue_sub_healthy(jobs, now - self._last_accrual if self._last_accrual else 0.0)
+            self._last_accrual = now
+        nodes = self.store.list_nodes()
+        wanted = (
+            self._replan_reason
+            or ("pending jobs" if any(job.state == state.PENDING for job in jobs) else "")
+            or ("jobs on unavailable nodes" if decide.hit_jobs(jobs, nodes) else "")
+        )
+        if wanted and now >= self._replan_not_before:
+            self._replan(wanted, jobs, nodes, now)
+
+    def _accrue_sub_healthy(self, jobs: list[common_pb2.Job], seconds: float) -> None:
+        """Charges each resumed incident for the time its job still runs smaller than it did
+        before the failure."""
+        for job in jobs:
+            if job.state != state.RUNNING or not job.remedies or not seconds:
+                continue
+            for incident in self.store.list_incidents(job.job_id):
+                if not incident.HasField("resumed") or not incident.cost.sub_healthy_waf:
+                    continue
+                before = incident.cost.sub_healthy_waf_seconds
+
+                def edit(current: common_pb2.Incident, size: int = job.assignment.world_size) -> None:
+                    current.cost.CopyFrom(cost.accrue_sub_healthy(current.cost, seconds, slots_now=size))
+
+                self._update_incident(incident, edit)
+                if self.metrics is not None:
+                    updated = cost.accrue_sub_healthy(incident.cost, seconds, slots_now=job.assignment.world_size)
+                    self.metrics.record_sub_healthy(incident, updated.sub_healthy_waf_seconds - before)
+
+    def _want_replan(self, reason: str) -> None:
+        self._replan_reason = self._replan_reason or reason
+        self._replan_not_before = 0.0
+        self._wake.set()
+
+    def _unreachable(self) -> frozenset[str]:
+        return frozenset(n.node_id for n in self.store.list_nodes() if n.state == common_pb2.NODE_STATE_LOST)
 
     def _lose_node(self, node: common_pb2.Node) -> None:
         if not self.store.set_node_state(
@@ -503,58 +934,191 @@ class Coordinator:
                 # root cause of its incident; a running one gets a new incident.
                 report = incidents.node_lost_report(node.node_id, job.job_id, job.assignment.generation, last, timeout)
                 self._record(report, create=job.state in state.ACTIVE)
+        self._want_replan(f"node {node.node_id} lost")
 
-    def _schedule(self, jobs: list[common_pb2.Job], nodes: list[common_pb2.Node]) -> None:
-        request = decide.plan_request(
-            jobs, nodes, self.settings.failure_rate_per_node_per_s, self.settings.plan_time_limit_s
-        )
-        if not any(node.healthy for node in request.nodes):
+    def _missed_ack(self, job_id: str, node_id: str, now: float) -> None:
+        job = self.store.get_job(job_id)
+        worker = next((w for w in job.workers if w.node_id == node_id), None)
+        if worker is None:
             return
-        try:
-            reply = self.planner.plan(request)
-        except Unavailable as exc:
-            log.warning("cannot schedule: %s", exc)
-            return
-        if reply.status not in (planner_service_pb2.SOLVE_STATUS_OPTIMAL, planner_service_pb2.SOLVE_STATUS_FEASIBLE):
-            log.warning("planner found no plan", extra={"status": reply.status, "reason": reply.reason})
-            return
-        by_id = {node.node_id: node for node in nodes}
-        pending = {job.job_id: job for job in jobs if job.state == state.PENDING}
-        for plan in reply.jobs:
-            if plan.job_id in pending and plan.size > 0:
-                self._assign(pending[plan.job_id], dict(plan.slots_by_node), by_id, plan.reason)
-
-    def _assign(
-        self, job: common_pb2.Job, slots: dict[str, int], nodes: dict[str, common_pb2.Node], reason: str
-    ) -> None:
-        now = self.clock()
+        what = "start" if worker.state == state.WORKER_STARTING else "stop"
+        limit = self.settings.ack_timeout_s
 
         def mutate(current: common_pb2.Job) -> JobWrite | None:
-            if current.state != state.PENDING:
-                return None
-            assignment = decide.assignment_for(current.spec, slots, nodes, current.assignment.generation + 1)
-            # Ports are picked where the coordinator can bind them (one machine, host
-            # networking); a multi-host deployment sets master ports per job instead.
-            assignment.master_port = redisutil.free_port(assignment.master_addr or "127.0.0.1")
-            current.assignment.CopyFrom(assignment)
-            placed = ", ".join(f"{w.node_id}:{len(w.ranks)}" for w in assignment.workers)
-            state.transition(current, state.SCHEDULED, now, f"placed on {placed}")
-            commands = [
-                (
-                    w.node_id,
-                    node_service_pb2.NodeCommand(
-                        start_workers=node_service_pb2.StartWorkers(
-                            job_id=current.job_id, spec=current.spec, assignment=assignment
-                        )
-                    ),
-                )
-                for w in assignment.workers
-            ]
-            events = [event(current, EventType.JOB_EVENT_TYPE_ASSIGNED, now, f"placed on {placed} ({reason})")]
-            return JobWrite(events, commands)
+            for w in current.workers:
+                if w.node_id == node_id and w.generation == worker.generation and w.HasField("deadline"):
+                    state.move_worker(w, state.WORKER_FAILED, now, f"no acknowledgement of {what} within {limit:g}s")
+                    return JobWrite()
+            return None
 
-        self.store.update_job(job.job_id, mutate)
-        log.info("job scheduled", extra={"job_id": job.job_id, "slots": slots})
+        self.store.update_job(job_id, mutate)
+        if what == "start":
+            report = common_pb2.FailureReport(
+                job_id=job_id,
+                generation=worker.generation,
+                node_id=node_id,
+                kind=common_pb2.FAILURE_KIND_TRANSITION_TIMEOUT,
+                source=common_pb2.DETECTION_SOURCE_HEARTBEAT,
+                message=f"agent did not acknowledge the start command within {limit:g}s",
+            )
+            report.first_seen.FromNanoseconds(int(now * 1e9))
+            self._record(report)
+
+    def _stalled(self, job_id: str, now: float) -> None:
+        """A remedy that brought no iteration back in time failed: a new incident, so the
+        ladder escalates."""
+        job = self.store.get_job(job_id)
+        attempt = job.remedies[-1]
+        report = common_pb2.FailureReport(
+            job_id=job_id,
+            generation=job.assignment.generation,
+            node_id=next(iter(decide.nodes_of(job)), ""),
+            kind=common_pb2.FAILURE_KIND_TRANSITION_TIMEOUT,
+            source=common_pb2.DETECTION_SOURCE_STATISTICAL,
+            message=(
+                f"{ladder.remedy_name(attempt.remedy)} for {attempt.incident_id} brought no iteration back "
+                f"within {self.settings.recovery_timeout_s:g}s"
+            ),
+        )
+        report.first_seen.FromNanoseconds(int(now * 1e9))
+        if attempt.generation == 0:
+            # A reconfigure still waiting for its plan: the job is where it was.
+            report.generation = job.assignment.generation
+        self._record(report)
+
+    # ---- re-planning ------------------------------------------------------------------
+
+    def _replan(self, why: str, jobs: list[common_pb2.Job], nodes: list[common_pb2.Node], now: float) -> None:
+        """Asks the planner for every job's size and placement and moves the jobs whose
+        plan changed. A planner that is down or finds no plan leaves everything as it is
+        and is asked again after a backoff."""
+        hit = decide.hit_jobs(jobs, nodes)
+        request = decide.plan_request(
+            jobs, nodes, self.settings.failure_rate_per_node_per_s, self.settings.plan_time_limit_s, hit
+        )
+        if not request.jobs or not any(node.healthy for node in request.nodes):
+            self._replan_reason = ""
+            return
+        traceparents = [
+            pending.traceparent
+            for job in jobs
+            if job.job_id in hit and (pending := _pending_remedy(job)) is not None and pending.traceparent
+        ]
+        try:
+            with trace.child_span(traceparents[0] if traceparents else "", trace.PLAN) as span:
+                reply = self.planner.plan(request)
+                span.set_attributes(
+                    {
+                        trace.ATTR_SOLVER_STATUS: planner_service_pb2.SolveStatus.Name(reply.status),
+                        trace.ATTR_OBJECTIVE: reply.objective,
+                        trace.ATTR_SOLVE_SECONDS: reply.solve_seconds,
+                        "unicron.plan.jobs": len(request.jobs),
+                        "unicron.plan.why": why,
+                    }
+                )
+        except Unavailable as exc:
+            self._replan_later(why, f"planner unavailable: {exc}", now)
+            return
+        if reply.status not in (planner_service_pb2.SOLVE_STATUS_OPTIMAL, planner_service_pb2.SOLVE_STATUS_FEASIBLE):
+            status = planner_service_pb2.SolveStatus.Name(reply.status)
+            self._replan_later(why, f"planner found no plan ({status}): {reply.reason}", now)
+            return
+        self._replan_reason = ""
+        self._replan_delays = None
+        by_id = {node.node_id: node for node in nodes}
+        for change in decide.plan_changes(jobs, reply, hit):
+            try:
+                self._carry_out(change, by_id, why, now)
+            except UnicronError as exc:
+                log.warning("plan step failed", extra={"job_id": change.job_id, "error": str(exc)})
+                self._want_replan(f"retry after: {exc}")
+
+    def _replan_later(self, why: str, problem: str, now: float) -> None:
+        if self._replan_delays is None:
+            self._replan_delays = Backoff(1.0, self.settings.replan_backoff_max_s, jitter=False).delays()
+        delay = next(self._replan_delays)
+        self._replan_reason = why
+        self._replan_not_before = now + delay
+        log.warning("keeping the current plan", extra={"why": why, "problem": problem, "retry_in_s": delay})
+
+    def _carry_out(self, change: decide.Change, nodes: dict[str, common_pb2.Node], why: str, now: float) -> None:
+        settings = self.settings
+        unreachable = self._unreachable()
+        moved = False
+
+        def mutate(job: common_pb2.Job) -> JobWrite | None:
+            nonlocal moved
+            placed = ", ".join(f"{n}:{c}" for n, c in sorted(change.slots.items()))
+            if change.kind == "start":
+                if job.state != state.PENDING:
+                    return None
+                assignment = self._new_assignment(job, change.slots, nodes)
+                commands = transitions.start(job, assignment, now, f"placed on {placed}", settings.ack_timeout_s)
+                pending = _pending_remedy(job)
+                if pending is not None and pending.generation == 0:
+                    pending.generation = assignment.generation
+                state.transition(job, state.SCHEDULED, now, f"placed on {placed}")
+                events = [event(job, EventType.JOB_EVENT_TYPE_ASSIGNED, now, f"placed on {placed} ({change.reason})")]
+                moved = True
+                return JobWrite(events, commands)
+            if job.state not in state.ACTIVE:
+                return None
+            if change.kind == "pause":
+                reason = f"paused by re-plan ({why}): {change.reason}"
+                commands = transitions.stop(job, now, reason, settings.ack_timeout_s, unreachable)
+                state.transition(job, state.PENDING, now, reason)
+                job.replans += 1
+                moved = True
+                return JobWrite([event(job, EventType.JOB_EVENT_TYPE_REMEDY, now, reason)], commands)
+            before = sum(decide.slots_by_node(job).values())
+            assignment = self._new_assignment(job, change.slots, nodes)
+            how = change.transition or "move"
+            reason = f"{how} to {assignment.world_size} ranks ({placed}) by re-plan ({why})"
+            commands = transitions.stop(job, now, reason, settings.ack_timeout_s, unreachable)
+            commands += transitions.start(job, assignment, now, reason, settings.ack_timeout_s)
+            pending = _pending_remedy(job)
+            if pending is not None and pending.generation == 0:
+                pending.generation = assignment.generation
+                for _, command in commands:
+                    command.traceparent = pending.traceparent
+            else:
+                job.replans += 1
+            state.transition(job, state.RECOVERING, now, reason)
+            moved = True
+            message = f"{reason}: {before} -> {assignment.world_size} slots; {change.reason}"
+            return JobWrite(
+                [
+                    event(job, EventType.JOB_EVENT_TYPE_REMEDY, now, message),
+                    event(job, EventType.JOB_EVENT_TYPE_ASSIGNED, now, f"placed on {placed}"),
+                ],
+                commands,
+            )
+
+        job = self.store.update_job(change.job_id, mutate)
+        if moved:
+            log.info(
+                "plan carried out",
+                extra={"job_id": job.job_id, "change": change.kind, "slots": change.slots, "why": why},
+            )
+
+    def _new_assignment(
+        self,
+        job: common_pb2.Job,
+        slots: dict[str, int],
+        nodes: dict[str, common_pb2.Node] | None = None,
+    ) -> common_pb2.Assignment:
+        if nodes is None:
+            nodes = {node.node_id: node for node in self.store.list_nodes()}
+        assignment = decide.assignment_for(job.spec, slots, nodes, job.assignment.generation + 1)
+        # Ports are picked where the coordinator can bind them (one machine, host
+        # networking); a multi-host deployment sets master ports per job instead.
+        assignment.master_port = redisutil.free_port(assignment.master_addr or "127.0.0.1")
+        return assignment
+
+    def _forget_monitors(self, job_id: str) -> None:
+        with self._monitors_lock:
+            for key in [k for k in self._monitors if k[0] == job_id]:
+                del self._monitors[key]
 
     def _move(
         self,
@@ -562,8 +1126,6 @@ class Coordinator:
         target: int,
         reason: str,
         only_from: set[int] | frozenset[int],
-        stop_workers: bool = False,
-        skip_node: str = "",
     ) -> common_pb2.Job | None:
         now = self.clock()
         moved = False
@@ -572,17 +1134,29 @@ class Coordinator:
             nonlocal moved
             if job.state not in only_from:
                 return None
-            commands = _stop_commands(job, reason, skip=skip_node) if stop_workers else []
             state.transition(job, target, now, reason)
             moved = True
-            return JobWrite([event(job, EventType.JOB_EVENT_TYPE_STATE_CHANGED, now, reason)], commands)
+            return JobWrite([event(job, EventType.JOB_EVENT_TYPE_STATE_CHANGED, now, reason)])
 
         job = self.store.update_job(job_id, mutate)
         if moved and state.is_terminal(target):
-            with self._monitors_lock:
-                for key in [k for k in self._monitors if k[0] == job_id]:
-                    del self._monitors[key]
+            self._forget_monitors(job_id)
+            self._want_replan(f"job {job_id} ended")
         if moved:
             log.info("job %s", state.state_name(target).lower(), extra={"job_id": job_id, "reason": reason})
             self._wake.set()
         return job if moved else None
+
+
+def _with_progress(job: common_pb2.Job, source: common_pb2.Job) -> common_pb2.Job:
+    """Job writes do not carry progress (it lives beside the job): keep the one we had."""
+    if job is not source:
+        job.progress.CopyFrom(source.progress)
+    return job
+
+
+def _pending_remedy(job: common_pb2.Job) -> common_pb2.RemedyAttempt | None:
+    """The job's last remedy while it has not brought training back."""
+    if job.remedies and not job.remedies[-1].HasField("resumed"):
+        return job.remedies[-1]
+    return None

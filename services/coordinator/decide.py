@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 from services.coordinator import state
 from unicron import jobspec
@@ -43,14 +44,23 @@ def used_slots(jobs: Iterable[common_pb2.Job]) -> dict[str, int]:
     return used
 
 
+def hit_jobs(jobs: Iterable[common_pb2.Job], nodes: Iterable[common_pb2.Node]) -> set[str]:
+    """Active jobs with ranks on a node that is not READY: they must move."""
+    ready = {node.node_id for node in nodes if node.state == common_pb2.NODE_STATE_READY}
+    return {job.job_id for job in jobs if job.state in state.ACTIVE and any(n not in ready for n in nodes_of(job))}
+
+
 def plan_request(
     jobs: Sequence[common_pb2.Job],
     nodes: Sequence[common_pb2.Node],
     failure_rate_per_node_per_s: float,
     time_limit_s: float,
+    hit: Iterable[str] = (),
 ) -> planner_service_pb2.PlanRequest:
-    """The planner's view: running jobs are pinned where they are (resizing running jobs
-    comes with the self-healing loop), pending ones may be placed or left waiting."""
+    """The planner's view of the whole cluster: every active job may be resized or moved
+    (what that costs is in its transition estimate, so jobs left alone stay where they
+    are), pending ones may be placed or left waiting, `hit` jobs must change."""
+    hit = set(hit)
     request = planner_service_pb2.PlanRequest(
         failure_rate_per_node_per_second=failure_rate_per_node_per_s,
         time_limit_seconds=time_limit_s,
@@ -73,8 +83,8 @@ def plan_request(
             pipeline_parallel=par.pipeline,
             min_data_parallel=par.min_data,
             max_data_parallel=par.max_data,
-            preemptible=job.state == state.PENDING,
-            pinned=job.state in state.ACTIVE,
+            preemptible=job.spec.preemptible or job.state == state.PENDING,
+            hit_by_failure=job.job_id in hit,
             throughput=dict(job.spec.throughput),
         )
         parameters = jobspec.model_parameters(job.spec.model)
@@ -86,6 +96,75 @@ def plan_request(
             for node_id, count in slots_by_node(job).items():
                 plan_job.current[node_id] = count
     return request
+
+
+@dataclass(frozen=True)
+class Change:
+    """What a plan means for one job: start (pending -> placed), move (new placement or
+    size for an active job), pause (active -> pending). Jobs the plan keeps get none."""
+
+    job_id: str
+    kind: str
+    slots: dict[str, int]
+    reason: str
+    transition: str = ""
+
+
+def plan_changes(
+    jobs: Sequence[common_pb2.Job], reply: planner_service_pb2.PlanResponse, hit: Iterable[str] = ()
+) -> list[Change]:
+    hit = set(hit)
+    by_id = {job.job_id: job for job in jobs}
+    changes = []
+    for plan in reply.jobs:
+        job = by_id.get(plan.job_id)
+        if job is None:
+            continue
+        slots = {node_id: count for node_id, count in plan.slots_by_node.items() if count}
+        if job.state == state.PENDING:
+            if slots:
+                changes.append(Change(job.job_id, "start", slots, plan.reason, plan.transition))
+        elif job.state in state.ACTIVE:
+            if not slots:
+                changes.append(Change(job.job_id, "pause", {}, plan.reason))
+            elif slots != slots_by_node(job) or job.job_id in hit:
+                changes.append(Change(job.job_id, "move", slots, plan.reason, plan.transition))
+    return changes
+
+
+def overdue_workers(now: float, jobs: Iterable[common_pb2.Job]) -> list[tuple[str, str]]:
+    """(job_id, node_id) of workers whose command acknowledgement is past its deadline."""
+    return [
+        (job.job_id, worker.node_id)
+        for job in jobs
+        if job.state in state.ACTIVE and not _awaiting_plan(job)
+        for worker in job.workers
+        if worker.generation == job.assignment.generation
+        and worker.HasField("deadline")
+        and worker.deadline.ToNanoseconds() / 1e9 < now
+    ]
+
+
+def _awaiting_plan(job: common_pb2.Job) -> bool:
+    """A reconfigure not yet placed: the job's current workers are going away anyway."""
+    return (
+        bool(job.remedies)
+        and not job.remedies[-1].HasField("resumed")
+        and job.remedies[-1].generation == 0
+        and (job.remedies[-1].remedy == common_pb2.REMEDY_RECONFIGURE)
+    )
+
+
+def stalled_recoveries(now: float, jobs: Iterable[common_pb2.Job], timeout_s: float) -> list[str]:
+    """RECOVERING jobs whose last remedy has not brought back an iteration within timeout_s."""
+    return [
+        job.job_id
+        for job in jobs
+        if job.state == state.RECOVERING
+        and job.remedies
+        and not job.remedies[-1].HasField("resumed")
+        and now - job.remedies[-1].started.ToNanoseconds() / 1e9 > timeout_s
+    ]
 
 
 def assignment_for(

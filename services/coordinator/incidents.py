@@ -42,6 +42,16 @@ _CONSEQUENCES = frozenset(
 )
 
 
+# How long a job's network-error incident waits for a report that explains it (a rank's
+# exit, seen by its agent within ~0.15 s) before the ladder acts on it as it stands.
+DECISION_HOLD_S = 0.3
+
+
+def is_consequence(kind: int) -> bool:
+    """Whether a failure of this kind is often only the echo of another one elsewhere."""
+    return kind in _CONSEQUENCES
+
+
 def _root(reports: list[pb.FailureReport]) -> pb.FailureReport:
     """The report that explains the others. The earliest, except that (1) a network error
     is explained by a rank's death or a node's loss seen within CONSEQUENCE_WINDOW_S of it,
@@ -98,9 +108,15 @@ def merge(incident: pb.Incident | None, report: pb.FailureReport, now: float, in
     return out
 
 
-def is_open(incident: pb.Incident, now: float) -> bool:
-    """Whether new reports with the incident's key still join it."""
-    return now - _seconds(incident.detected) <= MERGE_WINDOW_S
+def is_open(incident: pb.Incident, now: float, report: pb.FailureReport | None = None) -> bool:
+    """Whether a new report with the incident's key still joins it: within the merge
+    window, and, once a remedy began, only if the report saw the failure before that (a
+    failure after a reattempt in place, same generation, is a new incident)."""
+    if now - _seconds(incident.detected) > MERGE_WINDOW_S:
+        return False
+    if report is None or not incident.HasField("remedy_started") or not report.HasField("first_seen"):
+        return True
+    return _seconds(report.first_seen) <= _seconds(incident.remedy_started)
 
 
 def worker_exit_report(
@@ -138,7 +154,14 @@ def node_lost_report(
     return report
 
 
-def ends_the_job(incident: pb.Incident) -> bool:
-    """Until the self-healing ladder acts (reattempt, restart, reconfigure), every failure
-    but a performance report ends its job; this is the one place that decides it."""
-    return incident.kind != pb.FAILURE_KIND_STRAGGLER and bool(incident.job_id)
+def needs_heavier_remedy(incident: pb.Incident) -> bool:
+    """Whether a reattempt in place cannot heal the incident as now understood: its root
+    cause calls for more, or a rank it needs is gone."""
+    return failures.classify(incident.kind).action is not failures.Action.REATTEMPT or not ranks_alive(incident)
+
+
+def ranks_alive(incident: pb.Incident) -> bool:
+    """False when a report says a rank of the incident's generation is gone (exited, or its
+    node lost): nothing can then be reattempted in place."""
+    gone = (pb.DETECTION_SOURCE_PROCESS_SUPERVISION, pb.DETECTION_SOURCE_HEARTBEAT)
+    return not any(r.source in gone and r.generation == incident.generation for r in incident.reports)

@@ -61,6 +61,12 @@ class JobServicer(job_service_pb2_grpc.JobServiceServicer):
             raise InvalidArgument("fault", "is required")
         return jobs_pb.InjectFaultResponse(node_id=self._coordinator.inject_fault(request.job_id, request.fault))
 
+    @grpc_errors
+    def GetCluster(
+        self, request: jobs_pb.GetClusterRequest, context: grpc.ServicerContext
+    ) -> jobs_pb.GetClusterResponse:
+        return self._coordinator.cluster()
+
 
 class NodeServicer(node_service_pb2_grpc.NodeServiceServicer):
     def __init__(self, coordinator: Coordinator) -> None:
@@ -114,6 +120,13 @@ class NodeServicer(node_service_pb2_grpc.NodeServiceServicer):
     ) -> nodes_pb.ReportFaultInjectedResponse:
         self._coordinator.report_fault_injected(request)
         return nodes_pb.ReportFaultInjectedResponse()
+
+    @grpc_errors
+    def AckCommand(
+        self, request: nodes_pb.AckCommandRequest, context: grpc.ServicerContext
+    ) -> nodes_pb.AckCommandResponse:
+        self._coordinator.ack_command(request)
+        return nodes_pb.AckCommandResponse()
 
     @grpc_errors
     def StreamCommands(

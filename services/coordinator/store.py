@@ -1,7 +1,17 @@
 """The coordinator's state in Redis: jobs, nodes, per-job event logs and per-node command
 logs (Redis Streams). Every job write is a compare-and-set on the job's version, and a
 write's events and commands commit in the same MULTI as the state they follow from, so a
-crash between them is impossible and two coordinators can never both act."""
+crash between them is impossible.
+
+Fencing (with a `lease`): every write that decides something (jobs, incidents, node states,
+commands to agents) checks, after its WATCH and before its MULTI, that the coordinator
+lease still holds this coordinator's token, and WATCHes the lease's fencing counter, which
+every acquisition increments. A deposed coordinator therefore writes nothing: its check
+fails (NotLeader), or its EXEC aborts because another coordinator acquired the lease in
+between. Two coordinators can never both act. Writes that only record what an agent
+reported (registration, heartbeats, progress, exit codes, events) are single commands
+that stay unfenced: they are true whoever records them, and agents resend them to the
+new leader anyway."""
 
 from __future__ import annotations
 
@@ -10,10 +20,11 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import redis
 
+from services.coordinator.lease import NotLeader
 from unicron.errors import AlreadyExists, Conflict, NotFound, Unavailable
 from unicron.v1 import common_pb2, node_service_pb2
 
@@ -80,6 +91,16 @@ def redis_errors(method: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+class Fence(Protocol):
+    """What the store needs of a lease (services.coordinator.lease.Lease is one)."""
+
+    @property
+    def watch_keys(self) -> tuple[str, ...]: ...
+
+    def check(self, reader: Any) -> None:
+        """Raises NotLeader unless the lease is still ours."""
+
+
 @dataclass
 class JobWrite:
     """What one compare-and-set job update writes besides the job itself."""
@@ -89,9 +110,37 @@ class JobWrite:
 
 
 class Store:
-    def __init__(self, client: redis.Redis) -> None:
+    def __init__(self, client: redis.Redis, *, lease: Fence | None = None) -> None:
         # Any: redis-py types every sync reply as `Awaitable | Any`, which helps no one here.
         self._redis: Any = client
+        self._lease = lease
+
+    def _watch(self, pipe: Any, *keys: str) -> None:
+        """WATCHes keys and, when fenced, the lease's fencing counter, then checks the lease
+        (NotLeader: write nothing). Call before reading what the transaction depends on."""
+        if self._lease is None:
+            pipe.watch(*keys)
+            return
+        pipe.watch(*keys, *self._lease.watch_keys)
+        self._lease.check(pipe)
+
+    def _fenced(self, write: Callable[[Any], None]) -> list[Any]:
+        """One transaction of `write`'s commands, fenced by the lease when there is one;
+        returns their replies."""
+        if self._lease is None:
+            with self._redis.pipeline(transaction=True) as pipe:
+                write(pipe)
+                return list(pipe.execute())
+        for _ in range(CAS_ATTEMPTS):
+            with self._redis.pipeline() as pipe:
+                try:
+                    self._watch(pipe)
+                    pipe.multi()
+                    write(pipe)
+                    return list(pipe.execute())
+                except redis.WatchError:
+                    continue
+        raise NotLeader("the coordinator lease keeps changing hands")
 
     # ---- jobs -------------------------------------------------------------------------
 
@@ -100,22 +149,26 @@ class Store:
         """Stores a new job; ALREADY_EXISTS if its name is taken. Atomic: name, job, index
         and first event are written together or not at all."""
         name_key = _name_key(job.spec.name)
-        with self._redis.pipeline() as pipe:
-            try:
-                pipe.watch(name_key)
-                existing = pipe.get(name_key)
-                if existing is not None:
-                    raise AlreadyExists(f"a job named {job.spec.name!r} already exists ({existing.decode()})")
-                job.version = 1
-                pipe.multi()
-                pipe.set(name_key, job.job_id)
-                pipe.set(_job_key(job.job_id), job.SerializeToString())
-                pipe.zadd(JOBS_INDEX, {job.job_id: job.created.ToNanoseconds()})
-                pipe.xadd(_events_key(job.job_id), {EVENT_FIELD: event.SerializeToString()})
-                pipe.execute()
-            except redis.WatchError:
-                raise AlreadyExists(f"a job named {job.spec.name!r} was submitted concurrently") from None
-        return job
+        for _ in range(CAS_ATTEMPTS):
+            with self._redis.pipeline() as pipe:
+                try:
+                    self._watch(pipe, name_key)
+                    existing = pipe.get(name_key)
+                    if existing is not None:
+                        raise AlreadyExists(f"a job named {job.spec.name!r} already exists ({existing.decode()})")
+                    job.version = 1
+                    pipe.multi()
+                    pipe.set(name_key, job.job_id)
+                    pipe.set(_job_key(job.job_id), job.SerializeToString())
+                    pipe.zadd(JOBS_INDEX, {job.job_id: job.created.ToNanoseconds()})
+                    pipe.xadd(_events_key(job.job_id), {EVENT_FIELD: event.SerializeToString()})
+                    pipe.execute()
+                    return job
+                except redis.WatchError:
+                    # The name was taken concurrently (the next check says so) or the lease
+                    # changed hands (the next check says that).
+                    continue
+        raise AlreadyExists(f"a job named {job.spec.name!r} was submitted concurrently")
 
     @redis_errors
     def get_job(self, job_id: str) -> common_pb2.Job:
@@ -161,7 +214,7 @@ class Store:
         for _ in range(CAS_ATTEMPTS):
             with self._redis.pipeline() as pipe:
                 try:
-                    pipe.watch(key)
+                    self._watch(pipe, key)
                     raw = pipe.get(key)
                     if raw is None:
                         raise NotFound(f"no job with id {job_id!r}")
@@ -226,7 +279,7 @@ class Store:
         for _ in range(CAS_ATTEMPTS):
             with self._redis.pipeline() as pipe:
                 try:
-                    pipe.watch(pointer)
+                    self._watch(pipe, pointer)
                     incident_id = pipe.get(pointer)
                     current = None
                     if incident_id is not None:
@@ -250,7 +303,7 @@ class Store:
 
     @redis_errors
     def set_incident(self, incident: common_pb2.Incident) -> None:
-        self._redis.set(_incident_key(incident.incident_id), incident.SerializeToString())
+        self._fenced(lambda pipe: pipe.set(_incident_key(incident.incident_id), incident.SerializeToString()))
 
     @redis_errors
     def list_incidents(self, job_id: str = "", limit: int = 200) -> list[common_pb2.Incident]:
@@ -305,26 +358,31 @@ class Store:
     def set_node_state(self, node_id: str, state: int, expected: int) -> bool:
         """Compare-and-set of a node's state; False if it was not `expected` any more."""
         key = _node_key(node_id)
-        with self._redis.pipeline() as pipe:
-            try:
-                pipe.watch(key)
-                raw = pipe.get(key)
-                if raw is None:
-                    return False
-                node = common_pb2.Node.FromString(raw)
-                if node.state != expected:
-                    return False
-                node.state = state  # type: ignore[assignment]
-                pipe.multi()
-                pipe.set(key, node.SerializeToString())
-                pipe.execute()
-                return True
-            except redis.WatchError:
-                return False
+        # Unfenced, a lost race means the node changed: False. Fenced, the race may have been
+        # with the lease, so it is run again: the next check tells which it was.
+        for _ in range(CAS_ATTEMPTS if self._lease is not None else 1):
+            with self._redis.pipeline() as pipe:
+                try:
+                    self._watch(pipe, key)
+                    raw = pipe.get(key)
+                    if raw is None:
+                        return False
+                    node = common_pb2.Node.FromString(raw)
+                    if node.state != expected:
+                        return False
+                    node.state = state  # type: ignore[assignment]
+                    pipe.multi()
+                    pipe.set(key, node.SerializeToString())
+                    pipe.execute()
+                    return True
+                except redis.WatchError:
+                    continue
+        return False
 
     @redis_errors
     def append_command(self, node_id: str, command: node_service_pb2.NodeCommand) -> str:
-        command_id: bytes = self._redis.xadd(_commands_key(node_id), {EVENT_FIELD: command.SerializeToString()})
+        payload = {EVENT_FIELD: command.SerializeToString()}
+        command_id: bytes = self._fenced(lambda pipe: pipe.xadd(_commands_key(node_id), payload))[0]
         return command_id.decode()
 
     def last_command_id(self, node_id: str) -> str:

@@ -2,20 +2,29 @@
 
 Speaks the agent protocol: a hello, one report per iteration, an error report before an
 abnormal exit, a finished message before a clean one. Exit codes: 0 done, 1 failed,
-143 stopped by request (as after SIGTERM)."""
+143 stopped by request (as after SIGTERM).
+
+With a checkpoint directory it resumes from the newest good persistent checkpoint and saves
+one every `checkpoint_interval` iterations (services/trainer/checkpoint.py). After a
+reattemptable (SEV3) error it reports the error and waits for the agent's decision: on
+`reattempt` it redoes the same iteration in place, on `stop` it exits 143, and when the agent
+goes away or does not answer within `reattempt_wait_s` it exits 1, as after any other error.
+The first iteration report after a (re)start names where the state came from."""
 
 from __future__ import annotations
 
 import faulthandler
 import logging
 import os
+import queue
 import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from enum import Enum
+from typing import TYPE_CHECKING, Any
 
 from google.protobuf import json_format
 
@@ -23,12 +32,18 @@ from services.trainer.agent_link import AgentLink, LinkCallbacks
 from services.trainer.faults import FaultInjector
 from unicron.config import load_config, require
 from unicron.errors import UnicronError
-from unicron.failures import classify_exception, kind_name
+from unicron.failures import classify, classify_exception, kind_name
 from unicron.faults import parse_fault
+from unicron.jobspec import DEFAULT_CHECKPOINT_INTERVAL
 from unicron.logs import setup_logging
 from unicron.v1 import common_pb2, node_service_pb2, trainer_service_pb2
 
+if TYPE_CHECKING:  # torch and Megatron take seconds to import; config errors come first
+    from services.trainer.gpt import ModelConfig, TrainConfig
+
 EXIT_STOPPED = 143
+# IterationReport.state_source of the first report after a reattempt in place.
+SOURCE_LIVE = "live"
 
 
 @dataclass(frozen=True)
@@ -45,6 +60,12 @@ class TrainerConfig:
     fault_injection: bool = False
     faults: tuple[str, ...] = ()
     log_level: str = "info"
+    # Per-job directory shared by the job's ranks; empty: no persistent checkpoints.
+    checkpoint_dir: str = ""
+    # After a reattemptable error: how long to wait for the agent's decision, and how many
+    # times one iteration may be reattempted before the rank gives up.
+    reattempt_wait_s: float = 60.0
+    max_reattempts: int = 3
 
     def __post_init__(self) -> None:
         require(bool(self.job_id), "job_id", "is required")
@@ -52,6 +73,16 @@ class TrainerConfig:
         require(bool(self.agent), "agent", "is required (host:port of the node's agent)")
         require(bool(self.spec), "spec", "is required (the job spec as JSON)")
         require(0 < self.master_port < 65536, "master_port", "must be a TCP port")
+        require(self.reattempt_wait_s >= 0, "reattempt_wait_s", "must not be negative")
+        require(self.max_reattempts >= 0, "max_reattempts", "must not be negative")
+
+
+class Decision(Enum):
+    """What a rank does after an error in its training step."""
+
+    REATTEMPT = "reattempt"  # redo the same iteration in place
+    STOP = "stop"  # the agent asked to stop: exit 143
+    GIVE_UP = "give up"  # exit 1, as after any error
 
 
 @dataclass
@@ -64,6 +95,17 @@ class Run:
     stop: threading.Event
     injector: FaultInjector
     iteration: int = 0
+    # Set (before `stop`) when the agent link is lost.
+    lost: threading.Event = field(default_factory=threading.Event)
+    # Incident ids of the agent's reattempt answers, filled by the link's thread.
+    reattempts: queue.Queue[str] = field(default_factory=queue.Queue)
+    # The iteration being reattempted and how often it has been.
+    reattempt_step: int = 0
+    reattempt_count: int = 0
+    # (state_source, restored_iteration) for the next iteration report, then None.
+    source: tuple[str, int] | None = None
+    # The exception already reported to the agent, so it is not reported twice.
+    reported: BaseException | None = None
 
 
 def main(argv: list[str]) -> int:
@@ -100,12 +142,21 @@ def main(argv: list[str]) -> int:
     def inject(fault: common_pb2.Fault) -> None:
         injector.add(fault)
 
+    lost = threading.Event()
+    reattempts: queue.Queue[str] = queue.Queue()
+
+    def on_lost(_reason: str) -> None:
+        lost.set()
+        stop.set()
+
     link = AgentLink(
         config.agent,
         hello,
-        LinkCallbacks(on_stop=lambda reason: stop.set(), on_inject=inject, on_lost=lambda reason: stop.set()),
+        LinkCallbacks(
+            on_stop=lambda reason: stop.set(), on_inject=inject, on_lost=on_lost, on_reattempt=reattempts.put
+        ),
     )
-    run = Run(config, spec, link, stop, injector)
+    run = Run(config, spec, link, stop, injector, lost=lost, reattempts=reattempts)
     link.open()
     try:
         train(run, log)
@@ -136,19 +187,89 @@ def report_error(run: Run, exc: BaseException) -> None:
     logging.getLogger("trainer").error("reported %s", kind_name(kind))
 
 
+def wait_for_decision(run: Run, timeout_s: float, poll_s: float = 0.05) -> Decision:
+    """The agent's answer to the error just reported: a reattempt message, a stop request,
+    the loss of the link, or nothing within ``timeout_s`` (GIVE_UP)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if run.stop.is_set():
+            # A lost link sets `lost` before `stop`: read after `stop`, it is never missed.
+            return Decision.GIVE_UP if run.lost.is_set() else Decision.STOP
+        try:
+            incident = run.reattempts.get(timeout=max(0.0, min(poll_s, deadline - time.monotonic())))
+        except queue.Empty:
+            if time.monotonic() >= deadline:
+                return Decision.GIVE_UP
+            continue
+        logging.getLogger("trainer").info("reattempting in place", extra={"incident": incident})
+        return Decision.REATTEMPT
+
+
+def after_failure(run: Run, exc: BaseException, redoable: bool = True) -> Decision:
+    """Reports ``exc`` (first, before anything can block) and decides what the rank does next.
+    Only a reattemptable (SEV3) error of a step that can be redone waits for the agent, and
+    at most ``max_reattempts`` times for one iteration."""
+    log = logging.getLogger("trainer")
+    while True:  # answers to an earlier incident must not decide this one
+        try:
+            run.reattempts.get_nowait()
+        except queue.Empty:
+            break
+    report_error(run, exc)
+    run.reported = exc
+    failure = classify(classify_exception(exc))
+    if failure.severity != common_pb2.SEVERITY_SEV3:
+        return Decision.GIVE_UP
+    step = run.iteration + 1
+    if not redoable:
+        log.error("the failed step %d already updated the parameters; it cannot be reattempted", step)
+        return Decision.GIVE_UP
+    if run.reattempt_step != step:
+        run.reattempt_step, run.reattempt_count = step, 0
+    if run.reattempt_count >= run.config.max_reattempts:
+        log.error("iteration %d failed again after %d reattempts; giving up", step, run.reattempt_count)
+        return Decision.GIVE_UP
+    decision = wait_for_decision(run, run.config.reattempt_wait_s)
+    if decision is Decision.REATTEMPT:
+        run.reattempt_count += 1
+    elif decision is Decision.GIVE_UP:
+        reason = "the agent connection was lost" if run.lost.is_set() else "no decision from the agent"
+        log.error("%s within %.0fs; exiting", reason, run.config.reattempt_wait_s)
+    return decision
+
+
+def trainer_configs(spec: common_pb2.JobSpec) -> tuple[ModelConfig, TrainConfig]:
+    """The training core's configuration from a job spec."""
+    from services.trainer.gpt import ModelConfig, TrainConfig
+
+    m, t = spec.model, spec.training
+    return (
+        ModelConfig(
+            num_layers=m.num_layers,
+            hidden_size=m.hidden_size,
+            num_attention_heads=m.num_attention_heads,
+            seq_length=m.seq_length,
+            vocab_size=m.vocab_size,
+        ),
+        TrainConfig(
+            global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size, lr=t.learning_rate, seed=t.seed
+        ),
+    )
+
+
 def train(run: Run, log: logging.Logger) -> None:
     # Imported here: torch and Megatron take seconds to import, and config errors should
     # be reported before that.
     import torch
     import torch.distributed as dist
 
-    from services.trainer.gpt import GPTTrainer, ModelConfig, TrainConfig
+    from services.trainer import checkpoint
+    from services.trainer.gpt import GPTTrainer
 
     config, spec = run.config, run.spec
     use_cuda = torch.cuda.is_available()
     if use_cuda:
         torch.cuda.set_device(config.rank % torch.cuda.device_count())
-    model = spec.model
     training = spec.training
     try:
         dist.init_process_group(
@@ -160,19 +281,7 @@ def train(run: Run, log: logging.Logger) -> None:
         )
         # GPTTrainer enters the Megatron CPU shim (megatron_cpu.cpu_mode) around its own calls.
         trainer = GPTTrainer(
-            ModelConfig(
-                num_layers=model.num_layers,
-                hidden_size=model.hidden_size,
-                num_attention_heads=model.num_attention_heads,
-                seq_length=model.seq_length,
-                vocab_size=model.vocab_size,
-            ),
-            TrainConfig(
-                global_batch_size=training.global_batch_size,
-                micro_batch_size=training.micro_batch_size,
-                lr=training.learning_rate,
-                seed=training.seed,
-            ),
+            *trainer_configs(spec),
             tensor_parallel=spec.parallelism.tensor,
             pipeline_parallel=spec.parallelism.pipeline,
             device="cuda" if use_cuda else "cpu",
@@ -180,28 +289,49 @@ def train(run: Run, log: logging.Logger) -> None:
         if run.injector.enabled:
             trainer.grad_sync_hook = run.injector.in_grad_sync
         log.info("model ready", extra={"rank": config.rank, "world_size": config.world_size})
+        if config.checkpoint_dir:
+            restored = checkpoint.restore(trainer, config.checkpoint_dir)
+        else:
+            restored = checkpoint.Restored(checkpoint.SOURCE_FRESH, 0)
+        run.iteration = trainer.iteration
+        run.source = (restored.source, restored.iteration)
+        interval = training.checkpoint_interval or DEFAULT_CHECKPOINT_INTERVAL
         while run.iteration < training.iterations and not run.stop.is_set():
-            run.injector.before_step(run.iteration + 1)
-            result = trainer.step()
+            try:
+                run.injector.before_step(run.iteration + 1)
+                result = trainer.step()
+            except Exception as exc:
+                decision = after_failure(run, exc, trainer.step_is_redoable)
+                if decision is Decision.REATTEMPT:
+                    # Same iteration again: its data follows from the iteration number.
+                    trainer.discard_step()
+                    run.source = (SOURCE_LIVE, run.iteration)
+                    continue
+                if decision is Decision.STOP:
+                    break
+                raise
             run.iteration = result.iteration
-            run.link.send(
-                trainer_service_pb2.ConnectRequest(
-                    iteration=node_service_pb2.IterationReport(
-                        job_id=config.job_id,
-                        generation=config.generation,
-                        rank=config.rank,
-                        iteration=result.iteration,
-                        loss=result.loss,
-                        seconds=result.seconds,
-                        tokens=result.tokens,
-                        flops=result.flops,
-                        compute_seconds=result.compute_seconds,
-                    )
-                )
+            report = node_service_pb2.IterationReport(
+                job_id=config.job_id,
+                generation=config.generation,
+                rank=config.rank,
+                iteration=result.iteration,
+                loss=result.loss,
+                seconds=result.seconds,
+                tokens=result.tokens,
+                flops=result.flops,
+                compute_seconds=result.compute_seconds,
             )
+            if run.source is not None:
+                report.state_source, report.restored_iteration = run.source
+                run.source = None
+            run.link.send(trainer_service_pb2.ConnectRequest(iteration=report))
+            if config.checkpoint_dir and run.iteration % interval == 0:
+                checkpoint.save(trainer, config.checkpoint_dir)
         trainer.close()
     except BaseException as exc:
-        report_error(run, exc)
+        if exc is not run.reported:
+            report_error(run, exc)
         raise
     finally:
         if dist.is_initialized():

@@ -19,12 +19,18 @@ log = logging.getLogger(__name__)
 _CLOSE = object()
 
 
+def _ignore_reattempt(incident_id: str) -> None:
+    log.warning("agent asked to reattempt, but this trainer does not reattempt", extra={"incident": incident_id})
+
+
 @dataclass(frozen=True)
 class LinkCallbacks:
     on_stop: Callable[[str], None]
     on_inject: Callable[[common_pb2.Fault], None]
     # The agent went away: a trainer without its agent cannot be supervised, so it stops.
     on_lost: Callable[[str], None]
+    # The agent's answer to a reported reattemptable error: redo the interrupted iteration.
+    on_reattempt: Callable[[str], None] = _ignore_reattempt
 
 
 class AgentLink:
@@ -39,7 +45,9 @@ class AgentLink:
 
     def open(self, timeout_s: float = 30.0) -> None:
         self._outbox.put(pb.ConnectRequest(hello=self._hello))
-        responses = self._stub.Connect(self._messages())
+        # wait_for_ready: a first connection attempt that fails (an agent still starting, a
+        # loaded machine) is retried instead of failing the stream; the welcome wait bounds it.
+        responses = self._stub.Connect(self._messages(), wait_for_ready=True)
         self._reader = threading.Thread(target=self._read, args=(responses,), daemon=True, name="agent-link")
         self._reader.start()
         if not self._welcomed.wait(timeout_s):
@@ -65,6 +73,9 @@ class AgentLink:
                     self._callbacks.on_stop(response.stop.reason)
                 elif kind == "inject":
                     self._callbacks.on_inject(response.inject)
+                elif kind == "reattempt":
+                    log.info("agent asked to reattempt", extra={"incident": response.reattempt.incident_id})
+                    self._callbacks.on_reattempt(response.reattempt.incident_id)
                 elif kind == "rejected":
                     log.warning(
                         "agent rejected a message",

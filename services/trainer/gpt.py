@@ -11,6 +11,10 @@ micro-batches. The set of samples in a step therefore does not depend on ``D``, 
 loss averaged over the whole global batch the update is the same (up to float rounding) for
 every DP degree, which is what lets a job be resized between steps without changing what it
 learns.
+
+Because of that, the whole training state of a rank is its (TP, PP) slice of the model, the
+optimizer state of that slice and the iteration number: ``state_dict()`` / ``load_state_dict()``
+move exactly that, and a state saved under one DP degree loads under any other (same TP/PP).
 """
 
 from __future__ import annotations
@@ -175,7 +179,12 @@ class GPTTrainer:
         self.train_config = train
         self._dp = _check_layout(model, train, tensor_parallel, pipeline_parallel)
         self._num_microbatches = train.global_batch_size // (train.micro_batch_size * self._dp)
+        self._tp = tensor_parallel
+        self._pp = pipeline_parallel
         self._iteration = 0
+        # Set once the optimizer began updating parameters in the current step: from then on
+        # the step cannot be redone without applying (part of) its update twice.
+        self._update_started = False
         self._closed = False
         self._grad_sync_at: float | None = None
         # Called on this rank's entry into the gradient all-reduce (set by fault injection).
@@ -246,6 +255,61 @@ class GPTTrainer:
     def data_parallel_size(self) -> int:
         return self._dp
 
+    @property
+    def tensor_parallel(self) -> int:
+        return self._tp
+
+    @property
+    def pipeline_parallel(self) -> int:
+        return self._pp
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return int(parallel_state.get_data_parallel_rank())
+
+    @property
+    def shard(self) -> tuple[int, int]:
+        """(tensor-parallel rank, pipeline-parallel rank): which slice of the model this rank holds."""
+        return (
+            int(parallel_state.get_tensor_model_parallel_rank()),
+            int(parallel_state.get_pipeline_model_parallel_rank()),
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's training state: its model slice, the optimizer state of that slice
+        (Megatron's non-distributed optimizer: identical on every DP rank) and the number of
+        completed iterations, which also fixes the data position. References, not copies."""
+        return {
+            "iteration": self._iteration,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continues from ``state`` (as returned by ``state_dict()``, possibly under another DP
+        degree). Parameters are copied in place, so Megatron's DDP buffers stay valid."""
+        if self._closed:
+            raise RuntimeError("GPTTrainer is closed")
+        with cpu_mode(self._device):
+            self.model.load_state_dict(state["model"], strict=True)
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.discard_step()
+        self._iteration = int(state["iteration"])
+
+    @property
+    def step_is_redoable(self) -> bool:
+        """Whether the last step that raised can simply be run again: true unless it failed
+        after the optimizer had started to update the parameters."""
+        return not self._update_started
+
+    def discard_step(self) -> None:
+        """Drops whatever a failed step left behind (its partial gradients), so that the
+        next ``step()`` redoes the same iteration from a clean slate."""
+        with cpu_mode(self._device):
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+        self._grad_sync_at = None
+
     def _finalize_grads(self, *args: Any, **kwargs: Any) -> Any:
         """Megatron's gradient all-reduce, with a note of when this rank reached it and the
         hook that fault injection uses to act inside it."""
@@ -260,11 +324,13 @@ class GPTTrainer:
         with cpu_mode(self._device):
             start = time.perf_counter()
             self._grad_sync_at = None
+            self._update_started = False
             loss = self._train_step()
             end = time.perf_counter()
             seconds = end - start
             compute_seconds = (self._grad_sync_at or end) - start
         self._iteration += 1
+        self._update_started = False
         g = self.train_config.global_batch_size
         return StepResult(
             iteration=self._iteration,
@@ -287,6 +353,7 @@ class GPTTrainer:
             micro_batch_size=self.train_config.micro_batch_size,
             forward_only=False,
         )
+        self._update_started = True
         update_ok, _, _ = self.optimizer.step()
         if not update_ok:
             raise RuntimeError(f"optimizer step {self._iteration + 1} skipped (non-finite grads)")

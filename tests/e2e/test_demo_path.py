@@ -15,6 +15,7 @@ import psutil
 import pytest
 import yaml
 
+from tests.e2e.conftest import running
 from unicron.client import UnicronClient
 from unicron.localcluster import ROOT, LocalCluster
 from unicron.v1 import common_pb2
@@ -44,14 +45,7 @@ def unicron(cluster: LocalCluster, *args: str, check: bool = True) -> subprocess
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     run_dir = Path(tmp_path_factory.mktemp("e2e"))
     local = LocalCluster(run_dir)
-    local.start()
-    with UnicronClient(local.coordinator) as client:
-        local.wait_nodes(client.nodes, 2)
-    yield local
-    services = [s.proc.pid for s in local.services]
-    leftovers = local.stop()
-    assert leftovers == [], "processes outlived their service's shutdown"
-    assert not [pid for pid in services if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+    yield from running(local)
 
 
 def test_job_trains_across_both_agents_and_succeeds(cluster: LocalCluster, tmp_path: Path) -> None:
@@ -93,7 +87,7 @@ def submit_running(cluster: LocalCluster, tmp_path: Path, name: str, iterations:
     return job_id
 
 
-def test_killed_trainer_is_detected_and_the_job_fails_with_the_signal(cluster: LocalCluster, tmp_path: Path) -> None:
+def test_killed_trainer_is_restarted_and_the_job_trains_on(cluster: LocalCluster, tmp_path: Path) -> None:
     job_id = submit_running(cluster, tmp_path, "e2e-kill", iterations=10_000)
     with UnicronClient(cluster.coordinator) as client:
         victims = [
@@ -106,17 +100,27 @@ def test_killed_trainer_is_detected_and_the_job_fails_with_the_signal(cluster: L
         assert len(victims) == 1
         victims[0].send_signal(signal.SIGKILL)
         killed_at = time.monotonic()
-        while client.get(job_id).state != common_pb2.JOB_STATE_FAILED:
+        while not client.get(job_id).remedies:
             assert time.monotonic() - killed_at < 30, "kill not detected"
             time.sleep(0.1)
-        job = client.get(job_id)
-    assert "rank 1" in job.reason and "signal 9" in job.reason
-    # The other ranks were stopped: no trainer of this job is left.
+        while (job := client.get(job_id)).state != common_pb2.JOB_STATE_RUNNING or job.assignment.generation < 2:
+            assert time.monotonic() - killed_at < 120, f"job did not resume: {job.reason}"
+            time.sleep(0.2)
+        (incident,) = [i for i in client.incidents(job_id) if i.kind != common_pb2.FAILURE_KIND_STRAGGLER]
+        iteration = job.progress.iteration
+        while client.get(job_id).progress.iteration <= iteration:
+            assert time.monotonic() - killed_at < 150, "training did not go on after the restart"
+            time.sleep(0.2)
+        client.cancel(job_id)
+    assert job.remedies[0].remedy == common_pb2.REMEDY_RESTART and job.remedies[0].HasField("resumed")
+    assert "rank 1" in incident.summary and "signal 9" in incident.summary
+    assert incident.HasField("resumed") and incident.cost.transition_seconds > 0
+    # Cancelled: every trainer of the job is stopped.
     deadline = time.monotonic() + 30
     while any(
         (p.info["environ"] or {}).get("UNICRON_TRAINER_JOB_ID") == job_id for p in psutil.process_iter(["environ"])
     ):
-        assert time.monotonic() < deadline, "trainers of the failed job still running"
+        assert time.monotonic() < deadline, "trainers of the cancelled job still running"
         time.sleep(0.5)
 
 

@@ -1,8 +1,11 @@
 """Detection end to end: faults injected into real trainers (CLI -> coordinator -> agent ->
-trainer), detected by the agent's detectors, classified, merged into one incident."""
+trainer), detected by the agent's detectors, classified, merged into one incident, and
+answered by the ladder's first remedy. Each test cancels its job, so the next one starts on
+an idle cluster."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import time
@@ -11,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.conftest import running
 from unicron.client import UnicronClient
 from unicron.localcluster import ROOT, LocalCluster, tiny_gpt
 from unicron.v1 import common_pb2
@@ -21,11 +25,7 @@ pytestmark = pytest.mark.e2e
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     local = LocalCluster(Path(tmp_path_factory.mktemp("detect")), fault_injection=True)
-    local.start()
-    with UnicronClient(local.coordinator) as client:
-        local.wait_nodes(client.nodes, 2)
-    yield local
-    assert local.stop() == []
+    yield from running(local)
 
 
 def start_job(client: UnicronClient, name: str, data: int = 2) -> common_pb2.Job:
@@ -53,11 +53,14 @@ def incident_and_fault_time(
         assert time.monotonic() < deadline, "no incident"
         time.sleep(0.1)
     time.sleep(1.0)  # let late reports from other ranks join
-    fired = [
-        e.time.ToNanoseconds() / 1e9
-        for e in client.watch(job.job_id, after_event_id="0")
-        if e.type == common_pb2.JOB_EVENT_TYPE_FAULT_INJECTED
-    ]
+    fired = []
+    # The job keeps training after its remedy, so the watch never ends by itself: stop at
+    # the fault's announcement.
+    for e in client.watch(job.job_id, after_event_id="0"):
+        if e.type == common_pb2.JOB_EVENT_TYPE_FAULT_INJECTED:
+            fired.append(e.time.ToNanoseconds() / 1e9)
+            break
+        assert time.monotonic() < deadline + 30, "the fault never announced itself"
     assert fired, "the fault never announced itself"
     found = client.incidents(job.job_id)
     assert len(found) == 1, [(i.summary, [r.message for r in i.reports]) for i in found]
@@ -73,13 +76,24 @@ def test_an_exception_is_classified_and_peers_join_its_incident(cluster: LocalCl
         job = start_job(client, "det-exception")
         inject(cluster, job, "exception:ecc_error", rank=1)
         incident, fired = incident_and_fault_time(client, job)
-        final = client.get(job.job_id)
+        after = client.get(job.job_id)
+        nodes = {n.node_id: n.state for n in client.nodes()}
+        client.cancel(job.job_id)
     assert incident.kind == common_pb2.FAILURE_KIND_ECC_ERROR
     assert incident.severity == common_pb2.SEVERITY_SEV1 and incident.recommended_action == "reconfigure"
     root = next(r for r in incident.reports if r.source == common_pb2.DETECTION_SOURCE_EXCEPTION and r.rank == 1)
     assert "uncorrectable ECC" in root.message
     assert latency(incident, fired) < 2.0
-    assert final.state == common_pb2.JOB_STATE_FAILED and "ECC" in final.reason
+    # SEV1: the node is isolated and the job re-planned around it.
+    assert incident.remedy == common_pb2.REMEDY_RECONFIGURE
+    assert [a.remedy for a in after.remedies] == [common_pb2.REMEDY_RECONFIGURE]
+    assert nodes[incident.node_id] == common_pb2.NODE_STATE_ISOLATED
+    # Repaired: its agent registers again and the node is back in the plan.
+    cluster.kill(incident.node_id, signal.SIGTERM)
+    cluster.service(incident.node_id).proc.wait(timeout=30)
+    cluster.restart(incident.node_id)
+    with UnicronClient(cluster.coordinator) as client:
+        cluster.wait_nodes(client.nodes, 2)
 
 
 def test_a_crash_is_seen_by_process_supervision(cluster: LocalCluster) -> None:
@@ -87,7 +101,9 @@ def test_a_crash_is_seen_by_process_supervision(cluster: LocalCluster) -> None:
         job = start_job(client, "det-crash")
         inject(cluster, job, "crash", rank=0)
         incident, fired = incident_and_fault_time(client, job)
+        client.cancel(job.job_id)
     assert incident.kind == common_pb2.FAILURE_KIND_PROCESS_EXIT
+    assert incident.remedy == common_pb2.REMEDY_RESTART
     root = next(r for r in incident.reports if r.source == common_pb2.DETECTION_SOURCE_PROCESS_SUPERVISION)
     assert root.signal == 9 and root.rank == 0
     assert latency(incident, fired) < 2.0
@@ -98,7 +114,9 @@ def test_a_stopped_trainer_is_a_hang_with_evidence(cluster: LocalCluster) -> Non
         job = start_job(client, "det-hang")
         inject(cluster, job, "hang", rank=1)
         incident, fired = incident_and_fault_time(client, job, timeout_s=60)
+        client.cancel(job.job_id)
     assert incident.kind == common_pb2.FAILURE_KIND_TASK_HANG
+    assert incident.remedy == common_pb2.REMEDY_RESTART
     hang = next(r for r in incident.reports if r.kind == common_pb2.FAILURE_KIND_TASK_HANG)
     stats = dict(hang.statistics)
     assert stats["silent_s"] > stats["threshold_s"] >= 1.0
@@ -118,7 +136,9 @@ def test_a_lost_agent_is_a_lost_node(cluster: LocalCluster) -> None:
             time.sleep(0.2)
         (incident,) = client.incidents(job.job_id)
         nodes = {n.node_id: n.state for n in client.nodes()}
+        client.cancel(job.job_id)
     assert incident.node_id == victim
+    assert incident.remedy == common_pb2.REMEDY_RECONFIGURE
     assert nodes[victim] == common_pb2.NODE_STATE_LOST
     cluster.restart(victim)  # the agent comes back and registers again
     with UnicronClient(cluster.coordinator) as client:

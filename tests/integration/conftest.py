@@ -19,8 +19,8 @@ from unicron.client import UnicronClient
 from unicron.v1 import job_service_pb2_grpc, node_service_pb2_grpc, planner_service_pb2_grpc
 
 
-def start_planner() -> rpc.Server:
-    server = rpc.Server(bind="127.0.0.1:0", max_workers=4, grace_s=0.5)
+def start_planner(bind: str = "127.0.0.1:0") -> rpc.Server:
+    server = rpc.Server(bind=bind, max_workers=4, grace_s=0.5)
     server.add(
         planner_service_pb2_grpc.add_PlannerServiceServicer_to_server,
         PlannerServicer(Limits(max_jobs=64, max_nodes=64)),

@@ -30,7 +30,7 @@ def report(
     return node_service_pb2.ReportFailureRequest(node_id=node, report=out)
 
 
-def test_reports_from_many_ranks_are_one_incident_that_ends_the_job(control_plane: ControlPlane) -> None:
+def test_reports_from_many_ranks_are_one_incident_with_one_remedy(control_plane: ControlPlane) -> None:
     job, _ = scheduled_job(control_plane)
     stub = control_plane.node_stub()
     stub.ReportFailure(
@@ -43,14 +43,16 @@ def test_reports_from_many_ranks_are_one_incident_that_ends_the_job(control_plan
         )
     with control_plane.client() as client:
         (incident,) = client.incidents(job.job_id)
-        failed = client.get(job.job_id)
+        restarted = client.get(job.job_id)
     assert incident.kind == common_pb2.FAILURE_KIND_ILLEGAL_MEMORY_ACCESS
     assert incident.severity == common_pb2.SEVERITY_SEV2
     assert sorted(r.rank for r in incident.reports) == [0, 1, 2, 3]
     assert all(r.HasField("received") for r in incident.reports)
-    assert incident.action_taken == "job failed"
-    assert failed.state == common_pb2.JOB_STATE_FAILED
-    assert "illegal memory access" in failed.reason and "rank 1" in failed.reason
+    assert incident.remedy == common_pb2.REMEDY_RESTART
+    assert incident.action_taken.startswith("restart: illegal_memory_access")
+    assert restarted.state == common_pb2.JOB_STATE_RECOVERING and restarted.assignment.generation == 2
+    assert "illegal memory access" in restarted.reason and "rank 1" in restarted.reason
+    assert [a.remedy for a in restarted.remedies] == [common_pb2.REMEDY_RESTART]
 
 
 @pytest.mark.parametrize(

@@ -94,27 +94,114 @@ def test_progress_then_clean_exits_succeed_the_job(control_plane: ControlPlane) 
     assert done.reason == "all 4 ranks finished"
 
 
-def test_failed_rank_fails_the_job_and_stops_the_other_nodes(control_plane: ControlPlane) -> None:
-    job, cursors = scheduled_job(control_plane)
+def exit_report(job: common_pb2.Job, generation: int, code: int = 1) -> node_service_pb2.ReportWorkerExitRequest:
     failed = job.assignment.workers[0]
-    other = job.assignment.workers[1].node_id
-    control_plane.node_stub().ReportWorkerExit(
-        node_service_pb2.ReportWorkerExitRequest(
-            node_id=failed.node_id,
-            job_id=job.job_id,
-            generation=1,
-            rank=failed.ranks[0],
-            exit_code=1,
-            stderr_tail="Traceback...\nRuntimeError: boom\n",
+    return node_service_pb2.ReportWorkerExitRequest(
+        node_id=failed.node_id,
+        job_id=job.job_id,
+        generation=generation,
+        rank=failed.ranks[0],
+        exit_code=code,
+        stderr_tail="Traceback...\nRuntimeError: boom\n",
+    )
+
+
+def report_iteration(
+    plane: ControlPlane, job: common_pb2.Job, generation: int, iteration: int, **extra: object
+) -> None:
+    node_id = job.assignment.workers[0].node_id
+    plane.node_stub().ReportProgress(
+        node_service_pb2.ReportProgressRequest(
+            node_id=node_id,
+            reports=[
+                node_service_pb2.IterationReport(
+                    job_id=job.job_id,
+                    generation=generation,
+                    rank=0,
+                    iteration=iteration,
+                    loss=3.0,
+                    seconds=0.5,
+                    tokens=64,
+                    flops=1e9,
+                    **extra,  # type: ignore[arg-type]
+                )
+            ],
         ),
         timeout=5,
     )
+
+
+def test_crashed_rank_restarts_the_job_in_place_and_it_resumes(control_plane: ControlPlane, clock: FakeClock) -> None:
+    job, cursors = scheduled_job(control_plane)
+    report_iteration(control_plane, job, 1, 1)
+    report_iteration(control_plane, job, 1, 2)
+    control_plane.node_stub().ReportWorkerExit(exit_report(job, 1), timeout=5)
     with control_plane.client() as client:
         after = client.get(job.job_id)
-    assert after.state == common_pb2.JOB_STATE_FAILED
-    assert "exit code 1" in after.reason and "RuntimeError: boom" in after.reason
-    start, stop = commands_for(control_plane, other, cursors[other], 2)
-    assert start.HasField("start_workers") and stop.stop_workers.job_id == job.job_id
+        (incident,) = client.incidents(job.job_id)
+    assert after.state == common_pb2.JOB_STATE_RECOVERING
+    assert after.assignment.generation == 2
+    assert {w.node_id for w in after.assignment.workers} == {w.node_id for w in job.assignment.workers}
+    (attempt,) = after.remedies
+    assert attempt.remedy == common_pb2.REMEDY_RESTART and attempt.generation == 2
+    assert attempt.incident_id == incident.incident_id
+    assert incident.remedy == common_pb2.REMEDY_RESTART and incident.HasField("remedy_started")
+    # Each node gets: start gen 1, stop gen 1, start gen 2.
+    for worker in job.assignment.workers:
+        _start, stop, restart = commands_for(control_plane, worker.node_id, cursors[worker.node_id], 3)
+        assert stop.stop_workers.generation == 1
+        assert restart.start_workers.assignment.generation == 2
+    states = {(w.node_id, w.generation): w.state for w in after.workers}
+    assert set(states.values()) == {common_pb2.WORKER_STATE_STOPPING, common_pb2.WORKER_STATE_STARTING}
+    # Acks: stops and starts.
+    stub = control_plane.node_stub()
+    for worker in job.assignment.workers:
+        for generation in (1, 2):
+            stub.AckCommand(
+                node_service_pb2.AckCommandRequest(
+                    node_id=worker.node_id, job_id=job.job_id, generation=generation, ok=True
+                ),
+                timeout=5,
+            )
+    # A duplicate ack changes nothing.
+    stub.AckCommand(
+        node_service_pb2.AckCommandRequest(node_id="n1", job_id=job.job_id, generation=2, ok=True), timeout=5
+    )
+    with control_plane.client() as client:
+        acked = client.get(job.job_id)
+    assert [w.state for w in acked.workers] == [common_pb2.WORKER_STATE_LAUNCHED] * 2
+    # Old-generation exits (the stop) are not new failures.
+    stub.ReportWorkerExit(exit_report(job, 1, code=143), timeout=5)
+    clock.advance(5.0)
+    report_iteration(control_plane, acked, 2, 1, state_source="checkpoint", restored_iteration=0)
+    with control_plane.client() as client:
+        resumed = client.get(job.job_id)
+        (incident,) = client.incidents(job.job_id)
+    assert resumed.state == common_pb2.JOB_STATE_RUNNING
+    assert "resumed after restart" in resumed.reason and "2 iterations recomputed" in resumed.reason
+    assert resumed.remedies[0].HasField("resumed")
+    assert resumed.progress.iteration == 1
+    assert incident.HasField("resumed") and incident.cost.transition_seconds == pytest.approx(5.0, abs=0.1)
+    assert incident.cost.healthy_waf == pytest.approx(2e9)
+
+
+def test_a_job_that_keeps_failing_climbs_the_ladder_then_fails(control_plane: ControlPlane) -> None:
+    job, _ = scheduled_job(control_plane)
+    remedies = []
+    for _ in range(4):
+        with control_plane.client() as client:
+            current = client.get(job.job_id)
+        if current.state == common_pb2.JOB_STATE_FAILED:
+            break
+        control_plane.node_stub().ReportWorkerExit(exit_report(current, current.assignment.generation), timeout=5)
+        control_plane.coordinator.reconcile_once()
+        with control_plane.client() as client:
+            after = client.get(job.job_id)
+        remedies = [a.remedy for a in after.remedies]
+    assert remedies[:3] == [common_pb2.REMEDY_RESTART, common_pb2.REMEDY_RESTART, common_pb2.REMEDY_RECONFIGURE]
+    with control_plane.client() as client:
+        nodes = {n.node_id: n.state for n in client.nodes()}
+    assert common_pb2.NODE_STATE_ISOLATED in nodes.values()
 
 
 def test_stale_generation_reports_are_ignored(control_plane: ControlPlane) -> None:
@@ -127,21 +214,27 @@ def test_stale_generation_reports_are_ignored(control_plane: ControlPlane) -> No
         assert client.get(job.job_id).state == common_pb2.JOB_STATE_SCHEDULED
 
 
-def test_silent_node_is_lost_and_its_job_fails(control_plane: ControlPlane, clock: FakeClock) -> None:
-    job, _ = scheduled_job(control_plane)
+def test_silent_node_is_lost_and_its_job_is_replanned(control_plane: ControlPlane, clock: FakeClock) -> None:
+    job, _ = scheduled_job(control_plane, data=2)
     stub = control_plane.node_stub()
+    lost = job.assignment.workers[0].node_id
+    alive = "n1" if lost == "n2" else "n2"
     clock.advance(2.0)
-    assert stub.Heartbeat(node_service_pb2.HeartbeatRequest(node_id="n1"), timeout=5).known
-    clock.advance(2.0)  # n2 silent for 4 s > 3 s timeout; n1 heard from 2 s ago
+    assert stub.Heartbeat(node_service_pb2.HeartbeatRequest(node_id=alive), timeout=5).known
+    clock.advance(2.0)  # the job's node silent for 4 s > 3 s timeout; the other heard from 2 s ago
     control_plane.coordinator.reconcile_once()
     with control_plane.client() as client:
         states = {n.node_id: n.state for n in client.nodes()}
         after = client.get(job.job_id)
-    assert states == {"n1": common_pb2.NODE_STATE_READY, "n2": common_pb2.NODE_STATE_LOST}
-    assert after.state == common_pb2.JOB_STATE_FAILED
-    assert "node unreachable (node n2)" in after.reason and "no heartbeat" in after.reason
+        (incident,) = client.incidents(job.job_id)
+    assert states == {alive: common_pb2.NODE_STATE_READY, lost: common_pb2.NODE_STATE_LOST}
+    assert after.state == common_pb2.JOB_STATE_RECOVERING
+    assert [w.node_id for w in after.assignment.workers] == [alive]
+    assert after.remedies[0].remedy == common_pb2.REMEDY_RECONFIGURE
+    assert after.remedies[0].generation == after.assignment.generation == 2
+    assert "node unreachable" in incident.summary and incident.remedy == common_pb2.REMEDY_RECONFIGURE
     # Registering again brings it back.
-    register(control_plane, "n2")
+    register(control_plane, lost)
     with control_plane.client() as client:
         assert all(n.state == common_pb2.NODE_STATE_READY for n in client.nodes())
 

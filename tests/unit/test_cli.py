@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from unicron import cli
 from unicron.redisutil import free_port
+from unicron.v1 import common_pb2, job_service_pb2
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -35,3 +37,156 @@ def test_bad_spec_is_reported_before_any_rpc(capsys: pytest.CaptureFixture[str],
 def test_missing_spec_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     code, _, err = run(capsys, "submit", str(tmp_path / "nope.yaml"))
     assert code == cli.EXIT_USAGE and "cannot read" in err and "Traceback" not in err
+
+
+class FakeClient:
+    """Stands in for UnicronClient: canned replies, no server."""
+
+    cluster_reply = job_service_pb2.GetClusterResponse()
+    incidents_reply: list[common_pb2.Incident] = []
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+
+    def __enter__(self) -> FakeClient:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        pass
+
+    def cluster(self) -> job_service_pb2.GetClusterResponse:
+        return self.cluster_reply
+
+    def incidents(self, job_id: str = "") -> list[common_pb2.Incident]:
+        return self.incidents_reply
+
+
+def fake(monkeypatch: pytest.MonkeyPatch, **replies: object) -> None:
+    monkeypatch.setattr(cli, "UnicronClient", type("Fake", (FakeClient,), replies))
+
+
+CLUSTER = job_service_pb2.GetClusterResponse(
+    nodes_ready=2,
+    nodes_lost=1,
+    slots_total=8,
+    slots_used=6,
+    waf=3.6e9,
+    failure_waf_seconds=45.6e9,
+    incidents=3,
+    jobs=[
+        job_service_pb2.JobEfficiency(
+            job_id="j1",
+            name="gpt-big",
+            state=common_pb2.JOB_STATE_RUNNING,
+            weight=2,
+            slots=4,
+            flops_per_second=1.8e9,
+            waf=3.6e9,
+            failure_waf_seconds=45.6e9,
+            incidents=3,
+        ),
+        job_service_pb2.JobEfficiency(
+            job_id="j2", name="gpt-tiny", state=common_pb2.JOB_STATE_RECOVERING, weight=0.5, slots=2
+        ),
+    ],
+)
+
+
+@pytest.mark.parametrize(
+    ("value", "unit", "text"),
+    [
+        (0, "FLOP/s", "0 FLOP/s"),
+        (512, "FLOP/s", "512 FLOP/s"),
+        (1.2e9, "FLOP/s", "1.20 GFLOP/s"),
+        (45.63e9, "FLOP", "45.6 GFLOP"),
+        (123.4e12, "FLOP/s", "123 TFLOP/s"),
+        (999.97e9, "FLOP", "1.00 TFLOP"),
+    ],
+)
+def test_human_units(value: float, unit: str, text: str) -> None:
+    assert cli.human(value, unit) == text
+
+
+def test_cluster_prints_summary_and_jobs(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    fake(monkeypatch, cluster_reply=CLUSTER)
+    code, out, err = run(capsys, "cluster")
+    assert (code, err) == (0, "")
+    lines = out.splitlines()
+    assert lines[:4] == [
+        "nodes      2 ready, 1 lost",
+        "slots      6/8 used",
+        "WAF        3.60 GFLOP/s (weighted achieved FLOP/s)",
+        "failures   3 incidents, 45.6 GFLOP lost (WAF-seconds)",
+    ]
+    assert lines[5].split() == ["NAME", "STATE", "WEIGHT", "SLOTS", "FLOP/S", "WAF", "INCIDENTS", "COST"]
+    assert lines[6].split() == [
+        "gpt-big",
+        "running",
+        "2",
+        "4",
+        "1.80",
+        "GFLOP/s",
+        "3.60",
+        "GFLOP/s",
+        "3",
+        "45.6",
+        "GFLOP",
+    ]
+    assert lines[7].split() == ["gpt-tiny", "recovering", "0.5", "2", "-", "-", "0", "-"]
+
+
+def test_cluster_without_jobs(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    fake(monkeypatch, cluster_reply=job_service_pb2.GetClusterResponse(nodes_ready=1, slots_total=2, incidents=1))
+    code, out, _ = run(capsys, "cluster")
+    assert code == 0
+    assert "failures   1 incident, 0 FLOP lost (WAF-seconds)\n" in out
+    assert out.endswith("jobs       none active or recent\n")
+
+
+def test_cluster_json(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    fake(monkeypatch, cluster_reply=CLUSTER)
+    code, out, _ = run(capsys, "--json", "cluster")
+    data = json.loads(out)
+    assert code == 0
+    assert (data["slots_used"], data["waf"], data["jobs"][0]["name"]) == (6, 3.6e9, "gpt-big")
+    assert data["jobs"][1]["state"] == "JOB_STATE_RECOVERING"
+
+
+def test_cluster_unreachable_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    address = f"127.0.0.1:{free_port()}"
+    code, out, err = run(capsys, "--coordinator", address, "cluster")
+    assert (code, out) == (cli.EXIT_FAILED, "")
+    assert err == f"unicron: cannot reach the coordinator at {address} (is it running?)\n"
+
+
+def test_incidents_show_remedy_transition_and_cost(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    resumed = common_pb2.Incident(
+        incident_id="inc-1",
+        job_id="j1",
+        kind=common_pb2.FAILURE_KIND_PROCESS_EXIT,
+        severity=common_pb2.SEVERITY_SEV2,
+        recommended_action="restart",
+        action_taken="restarted",
+        remedy=common_pb2.REMEDY_RESTART,
+        cost=common_pb2.FailureCost(
+            detection_seconds=0.25,
+            transition_seconds=7.5,
+            detection_waf_seconds=0.75e9,
+            transition_waf_seconds=22.5e9,
+            sub_healthy_waf_seconds=1e9,
+        ),
+    )
+    resumed.first_seen.FromNanoseconds(int(99.75e9))
+    resumed.detected.FromNanoseconds(int(100e9))
+    pending = common_pb2.Incident(incident_id="inc-2", kind=common_pb2.FAILURE_KIND_NODE_LOST)
+    fake(monkeypatch, incidents_reply=[resumed, pending])
+    code, out, _ = run(capsys, "incidents")
+    assert code == 0
+    header, first, second = out.splitlines()
+    assert header.split()[-3:] == ["REMEDY", "TRANSITION", "COST"]
+    assert header.startswith("ID") and "LATENCY" in header and "FIRST ACTION" in header
+    assert first.split()[-5:] == ["restarted", "restart", "7.50s", "24.2", "GFLOP"]
+    assert "0.25s" in first.split()
+    assert second.split()[-3:] == ["-", "-", "-"]

@@ -4,7 +4,7 @@ import pytest
 
 from services.coordinator import decide, state
 from unicron import jobspec
-from unicron.v1 import common_pb2
+from unicron.v1 import common_pb2, planner_service_pb2
 
 
 def node(node_id: str, beat: float, node_state: int = common_pb2.NODE_STATE_READY, slots: int = 4) -> common_pb2.Node:
@@ -44,19 +44,82 @@ def test_assignment_keeps_tp_groups_contiguous_per_node() -> None:
     assert assignment.master_addr == "10.0.0.2"
 
 
-def test_plan_request_pins_running_jobs_and_frees_pending_ones() -> None:
+def test_plan_request_lets_running_jobs_move_and_marks_hit_ones() -> None:
     running = common_pb2.Job(job_id="r", spec=spec(), state=state.RUNNING)
     running.assignment.workers.add(node_id="a", ranks=[0, 1])
+    moving = common_pb2.Job(job_id="m", spec=spec(), state=state.RECOVERING)
+    moving.assignment.workers.add(node_id="b", ranks=[0, 1])
     pending = common_pb2.Job(job_id="p", spec=spec(), state=state.PENDING)
     done = common_pb2.Job(job_id="d", spec=spec(), state=state.SUCCEEDED)
-    request = decide.plan_request(
-        [running, pending, done], [node("a", 0), node("b", 0, common_pb2.NODE_STATE_LOST)], 1e-6, 1.0
-    )
+    nodes = [node("a", 0), node("b", 0, common_pb2.NODE_STATE_LOST)]
+    jobs_in = [running, moving, pending, done]
+    hit = decide.hit_jobs(jobs_in, nodes)
+    assert hit == {"m"}
+    request = decide.plan_request(jobs_in, nodes, 1e-6, 1.0, hit)
     jobs = {j.job_id: j for j in request.jobs}
-    assert set(jobs) == {"r", "p"}
-    assert jobs["r"].pinned and dict(jobs["r"].current) == {"a": 2}
+    assert set(jobs) == {"r", "m", "p"}
+    assert not jobs["r"].pinned and dict(jobs["r"].current) == {"a": 2} and not jobs["r"].hit_by_failure
+    assert not jobs["r"].preemptible  # running jobs are paused only when their spec allows it
+    assert jobs["m"].hit_by_failure and dict(jobs["m"].current) == {"b": 2}
     assert jobs["p"].preemptible and not jobs["p"].pinned and not jobs["p"].current
     assert [n.healthy for n in request.nodes] == [True, False]
+
+
+def _plan(*plans: tuple[str, dict[str, int]]) -> planner_service_pb2.PlanResponse:
+    reply = planner_service_pb2.PlanResponse(status=planner_service_pb2.SOLVE_STATUS_OPTIMAL)
+    for job_id, slots in plans:
+        reply.jobs.add(job_id=job_id, slots_by_node=slots, size=sum(slots.values()), reason="why")
+    return reply
+
+
+def test_plan_changes_start_move_pause_keep() -> None:
+    def job(job_id: str, job_state: int, slots: dict[str, int]) -> common_pb2.Job:
+        out = common_pb2.Job(job_id=job_id, spec=spec(), state=job_state)  # type: ignore[arg-type]
+        rank = 0
+        for node_id, count in slots.items():
+            out.assignment.workers.add(node_id=node_id, ranks=range(rank, rank + count))
+            rank += count
+        return out
+
+    jobs = [
+        job("kept", state.RUNNING, {"a": 2}),
+        job("hit", state.RECOVERING, {"b": 2}),
+        job("shrunk", state.RUNNING, {"c": 4}),
+        job("paused", state.RUNNING, {"d": 2}),
+        job("started", state.PENDING, {}),
+        job("waiting", state.PENDING, {}),
+    ]
+    reply = _plan(
+        ("kept", {"a": 2}),
+        ("hit", {"e": 2}),
+        ("shrunk", {"c": 2, "e": 0}),
+        ("paused", {}),
+        ("started", {"d": 2}),
+        ("waiting", {}),
+    )
+    changes = {c.job_id: c for c in decide.plan_changes(jobs, reply, hit={"hit"})}
+    assert {k: c.kind for k, c in changes.items()} == {
+        "hit": "move",
+        "shrunk": "move",
+        "paused": "pause",
+        "started": "start",
+    }
+    assert changes["shrunk"].slots == {"c": 2}
+
+
+def test_overdue_workers_and_stalled_recoveries() -> None:
+    job = common_pb2.Job(job_id="j", spec=spec(), state=state.RECOVERING)
+    job.assignment.generation = 2
+    job.workers.append(state.new_worker("a", 2, now=10.0, deadline=20.0, reason="start"))
+    job.workers.append(state.new_worker("b", 1, now=10.0, deadline=15.0, reason="old generation"))
+    attempt = job.remedies.add(remedy=common_pb2.REMEDY_RESTART, generation=2)
+    attempt.started.FromSeconds(10)
+    assert decide.overdue_workers(19.0, [job]) == []
+    assert decide.overdue_workers(21.0, [job]) == [("j", "a")]
+    assert decide.stalled_recoveries(100.0, [job], 120.0) == []
+    assert decide.stalled_recoveries(131.0, [job], 120.0) == ["j"]
+    attempt.resumed.FromSeconds(40)
+    assert decide.stalled_recoveries(131.0, [job], 120.0) == []
 
 
 def test_used_slots_counts_active_jobs_only() -> None:

@@ -74,10 +74,23 @@ def test_incidents_close_after_the_merge_window() -> None:
     assert not incidents.is_open(incident, 100.1 + incidents.MERGE_WINDOW_S)
 
 
-def test_stragglers_do_not_end_their_job() -> None:
-    slow = build(report(pb.FAILURE_KIND_STRAGGLER, pb.DETECTION_SOURCE_STATISTICAL, 1.0, rank=3))
-    crash = build(report(pb.FAILURE_KIND_PROCESS_EXIT, EXIT, 1.0, rank=3))
-    assert not incidents.ends_the_job(slow) and incidents.ends_the_job(crash)
+def test_reattempt_is_ruled_out_by_a_dead_rank_or_a_heavier_root() -> None:
+    timeout = build(report(pb.FAILURE_KIND_COLLECTIVE_TIMEOUT, pb.DETECTION_SOURCE_EXCEPTION, 1.0, rank=0))
+    assert incidents.ranks_alive(timeout) and not incidents.needs_heavier_remedy(timeout)
+    crash = build(
+        report(pb.FAILURE_KIND_COLLECTIVE_TIMEOUT, pb.DETECTION_SOURCE_EXCEPTION, 1.0, rank=0),
+        report(pb.FAILURE_KIND_PROCESS_EXIT, EXIT, 1.2, rank=3),
+    )
+    assert not incidents.ranks_alive(crash) and incidents.needs_heavier_remedy(crash)
+
+
+def test_a_failure_after_the_remedy_began_is_a_new_incident() -> None:
+    incident = build(report(pb.FAILURE_KIND_COLLECTIVE_TIMEOUT, pb.DETECTION_SOURCE_EXCEPTION, 1.0, rank=0))
+    incident.remedy_started.FromNanoseconds(int(2.0 * 1e9))
+    before = report(pb.FAILURE_KIND_CONNECTION_RESET, pb.DETECTION_SOURCE_EXCEPTION, 1.5, rank=1)
+    after = report(pb.FAILURE_KIND_CONNECTION_RESET, pb.DETECTION_SOURCE_EXCEPTION, 2.5, rank=1)
+    assert incidents.is_open(incident, 3.0, before)
+    assert not incidents.is_open(incident, 3.0, after)
 
 
 def test_a_peers_reset_seen_first_is_explained_by_the_death_just_after() -> None:

@@ -1,0 +1,406 @@
+"""Persistent checkpoints of a training job: save every few iterations, resume from the
+newest good one.
+
+Layout under the job's checkpoint directory (shared by all of the job's ranks)::
+
+    <root>/iter_00000030/tp0_pp0.pt       one shard per (tensor, pipeline) slice: torch.save of
+    <root>/iter_00000030/tp1_pp0.pt       {format, iteration, tp_rank, pp_rank, layout, model, optimizer}
+    <root>/iter_00000030/manifest.json    written last; its presence makes the checkpoint complete
+
+The manifest names the iteration, the model's shape and TP/PP (``layout``) and the sha256 and
+size of every shard file. The ranks of data-parallel rank 0 write the shards (the slices are
+identical across DP ranks: Megatron's non-distributed optimizer keeps the full optimizer state
+on each); every rank then joins one ``all_gather_object`` carrying the shard records, which is
+also the barrier: once it returns on global rank 0 every shard is durable, and rank 0 writes
+the manifest (temp file, fsync, ``os.replace``, fsync of the directory). A crash at any point
+leaves either no manifest (incomplete, ignored) or a manifest whose shards are all on disk.
+Rank 0 then keeps the newest ``KEEP`` complete checkpoints and deletes the rest.
+
+Restoring is collective too. Rank 0 lists the complete checkpoints (newest first) and
+broadcasts that list, so every rank considers the same candidates even if its view of a
+shared file system lags. For each candidate every rank checks the manifest against the job
+(shape, TP, PP), the sha256 of *its own* shard and that the shard fits its model; one
+``all_reduce(MIN)`` of a 0/1 flag makes the verdict common. The first candidate good on every
+rank wins; a bad one is logged and the next older one tried; with none left the job starts
+fresh. Nothing here raises on a bad copy, so a corrupt checkpoint never turns into a crash
+loop. A shard holds no data-parallel state, so the DP degree may differ between save and load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from services.trainer.gpt import GPTTrainer, ModelConfig
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+MANIFEST = "manifest.json"
+# Complete checkpoints kept on disk; older ones are deleted after each save.
+KEEP = 2
+SOURCE_CHECKPOINT = "checkpoint"
+SOURCE_FRESH = "fresh"
+
+_DIR_RE = re.compile(r"^iter_(\d+)$")
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be used, and why."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What a checkpoint must match to be loaded: the model's shape and its TP x PP split."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    seq_length: int
+    vocab_size: int
+    ffn_hidden_size: int
+    tensor_parallel: int
+    pipeline_parallel: int
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def layout_of_config(model: ModelConfig, tensor_parallel: int, pipeline_parallel: int) -> Layout:
+    return Layout(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        seq_length=model.seq_length,
+        vocab_size=model.vocab_size,
+        ffn_hidden_size=model.ffn_size,
+        tensor_parallel=tensor_parallel,
+        pipeline_parallel=pipeline_parallel,
+    )
+
+
+def layout_of(trainer: GPTTrainer) -> Layout:
+    return layout_of_config(trainer.model_config, trainer.tensor_parallel, trainer.pipeline_parallel)
+
+
+@dataclass(frozen=True)
+class ShardRecord:
+    tp_rank: int
+    pp_rank: int
+    file: str
+    sha256: str
+    size: int
+
+
+@dataclass(frozen=True)
+class Restored:
+    """Where a rank's state came from: SOURCE_CHECKPOINT at ``iteration``, or SOURCE_FRESH (0)."""
+
+    source: str
+    iteration: int
+
+
+def iteration_dir(root: str | Path, iteration: int) -> Path:
+    return Path(root) / f"iter_{iteration:08d}"
+
+
+def shard_file(tp_rank: int, pp_rank: int) -> str:
+    return f"tp{tp_rank}_pp{pp_rank}.pt"
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems cannot sync a directory; the rename is still atomic
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _fsync_dir(path.parent)
+
+
+def write_shard(root: str | Path, iteration: int, tp_rank: int, pp_rank: int, state: dict[str, Any]) -> ShardRecord:
+    """Durably writes one shard (``state`` holds ``model`` and ``optimizer``, plus anything
+    else worth keeping) and returns what the manifest records of it."""
+    directory = iteration_dir(root, iteration)
+    directory.mkdir(parents=True, exist_ok=True)
+    payload = {**state, "format": FORMAT, "iteration": iteration, "tp_rank": tp_rank, "pp_rank": pp_rank}
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    data = buffer.getvalue()
+    name = shard_file(tp_rank, pp_rank)
+    _atomic_write(directory / name, data)
+    return ShardRecord(tp_rank, pp_rank, name, hashlib.sha256(data).hexdigest(), len(data))
+
+
+def write_manifest(root: str | Path, iteration: int, layout: Layout, shards: list[ShardRecord]) -> Path:
+    """Marks checkpoint ``iteration`` complete. Call only once every shard is durable."""
+    expected = {(t, p) for t in range(layout.tensor_parallel) for p in range(layout.pipeline_parallel)}
+    got = {(s.tp_rank, s.pp_rank) for s in shards}
+    if got != expected or len(shards) != len(expected):
+        raise CheckpointError(f"iteration {iteration}: shards {sorted(got)} do not cover TPxPP {sorted(expected)}")
+    manifest = {
+        "format": FORMAT,
+        "iteration": iteration,
+        "layout": layout.as_dict(),
+        "shards": {
+            f"tp{s.tp_rank}_pp{s.pp_rank}": {"file": s.file, "sha256": s.sha256, "size": s.size}
+            for s in sorted(shards, key=lambda s: (s.tp_rank, s.pp_rank))
+        },
+        "saved_at": time.time(),
+    }
+    path = iteration_dir(root, iteration) / MANIFEST
+    _atomic_write(path, json.dumps(manifest, indent=1, sort_keys=True).encode())
+    return path
+
+
+def _iteration_dirs(root: str | Path) -> dict[int, Path]:
+    try:
+        entries = list(Path(root).iterdir())
+    except OSError:
+        return {}
+    found: dict[int, Path] = {}
+    for entry in entries:
+        match = _DIR_RE.match(entry.name)
+        if match and entry.is_dir():
+            found[int(match.group(1))] = entry
+    return found
+
+
+def list_complete(root: str | Path) -> list[int]:
+    """Iterations of the checkpoints that have a manifest, newest first (not yet verified)."""
+    return sorted((i for i, d in _iteration_dirs(root).items() if (d / MANIFEST).is_file()), reverse=True)
+
+
+def read_manifest(root: str | Path, iteration: int) -> dict[str, Any]:
+    path = iteration_dir(root, iteration) / MANIFEST
+    try:
+        manifest = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise CheckpointError("no manifest (incomplete checkpoint)") from None
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"manifest unreadable: {exc}") from None
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"manifest is not a JSON object: {manifest!r:.80}")
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"manifest has an unknown format {manifest.get('format')!r}")
+    if manifest.get("iteration") != iteration:
+        raise CheckpointError(f"manifest names iteration {manifest.get('iteration')}, its directory {iteration}")
+    return manifest
+
+
+def read_shard(root: str | Path, iteration: int, layout: Layout, tp_rank: int, pp_rank: int) -> dict[str, Any]:
+    """The verified shard (tp_rank, pp_rank) of checkpoint ``iteration``; CheckpointError when
+    the manifest is missing or does not match ``layout``, or the shard is missing or corrupt."""
+    manifest = read_manifest(root, iteration)
+    saved = manifest.get("layout")
+    if saved != layout.as_dict():
+        raise CheckpointError(f"saved for another model or split: checkpoint {saved}, this job {layout.as_dict()}")
+    entry = manifest.get("shards", {}).get(f"tp{tp_rank}_pp{pp_rank}")
+    if not isinstance(entry, dict):
+        raise CheckpointError(f"the manifest lists no shard tp{tp_rank}_pp{pp_rank}")
+    path = iteration_dir(root, iteration) / str(entry.get("file"))
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise CheckpointError(f"shard {path.name} unreadable: {exc.strerror or exc}") from None
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != entry.get("sha256") or len(data) != entry.get("size"):
+        raise CheckpointError(
+            f"shard {path.name} is corrupt: sha256 {digest[:12]}.. ({len(data)} bytes), "
+            f"manifest {str(entry.get('sha256'))[:12]}.. ({entry.get('size')} bytes)"
+        )
+    try:
+        payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any decoding failure makes the shard unusable
+        raise CheckpointError(f"shard {path.name} cannot be decoded: {exc}") from None
+    if not isinstance(payload, dict) or "model" not in payload or "optimizer" not in payload:
+        raise CheckpointError(f"shard {path.name} holds no model and optimizer state")
+    if (payload.get("iteration"), payload.get("tp_rank"), payload.get("pp_rank")) != (iteration, tp_rank, pp_rank):
+        raise CheckpointError(
+            f"shard {path.name} is of iteration {payload.get('iteration')} "
+            f"tp{payload.get('tp_rank')}_pp{payload.get('pp_rank')}"
+        )
+    return payload
+
+
+def try_shard(
+    root: str | Path,
+    iteration: int,
+    layout: Layout,
+    tp_rank: int,
+    pp_rank: int,
+    check: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any] | None:
+    """``read_shard`` (plus ``check``, which raises CheckpointError) or None with a warning."""
+    try:
+        payload = read_shard(root, iteration, layout, tp_rank, pp_rank)
+        if check is not None:
+            check(payload)
+        return payload
+    except CheckpointError as exc:
+        log.warning(
+            "checkpoint at iteration %d is unusable: %s; falling back to an older one",
+            iteration,
+            exc,
+            extra={"checkpoint": str(iteration_dir(root, iteration))},
+        )
+        return None
+
+
+def find_latest(
+    root: str | Path, layout: Layout, tp_rank: int = 0, pp_rank: int = 0
+) -> tuple[int, dict[str, Any]] | None:
+    """One process's choice: the newest checkpoint whose shard (tp_rank, pp_rank) is good."""
+    for iteration in list_complete(root):
+        payload = try_shard(root, iteration, layout, tp_rank, pp_rank)
+        if payload is not None:
+            return iteration, payload
+    return None
+
+
+def prune(root: str | Path, newest: int, keep: int = KEEP) -> list[int]:
+    """After checkpoint ``newest`` is complete: keeps it and the ``keep - 1`` newest complete
+    ones before it and deletes every other ``iter_*`` directory: older checkpoints, incomplete
+    leftovers, and anything newer than ``newest``, which can only be a bad checkpoint of an
+    abandoned run (restoring always takes the newest good one, and training on from there is
+    deterministic). Returns the deleted iterations."""
+    dirs = _iteration_dirs(root)
+    complete = [i for i in sorted(dirs, reverse=True) if i <= newest and (dirs[i] / MANIFEST).is_file()]
+    kept = set(complete[:keep])
+    deleted = []
+    for iteration, path in sorted(dirs.items()):
+        if iteration not in kept:
+            shutil.rmtree(path, ignore_errors=True)
+            deleted.append(iteration)
+    return deleted
+
+
+def _flag_device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def save(trainer: GPTTrainer, root: str | Path) -> bool:
+    """Collective: every rank of the job calls it after the same iteration. Returns whether the
+    checkpoint became complete (known on global rank 0; other ranks return True once their
+    part is done). A failure to write is logged, never raised: training goes on."""
+    iteration = trainer.iteration
+    tp_rank, pp_rank = trainer.shard
+    record: ShardRecord | str | None = None
+    if trainer.data_parallel_rank == 0:
+        try:
+            state = trainer.state_dict()
+            record = write_shard(
+                root,
+                iteration,
+                tp_rank,
+                pp_rank,
+                {"model": state["model"], "optimizer": state["optimizer"], "layout": layout_of(trainer).as_dict()},
+            )
+        except Exception as exc:  # noqa: BLE001 - reported through the gather, then logged
+            record = f"rank {dist.get_rank()} could not write tp{tp_rank}_pp{pp_rank}: {exc}"
+    gathered: list[ShardRecord | str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, record)
+    if dist.get_rank() != 0:
+        return not isinstance(record, str)
+    errors = [g for g in gathered if isinstance(g, str)]
+    shards = [g for g in gathered if isinstance(g, ShardRecord)]
+    try:
+        if errors:
+            raise CheckpointError("; ".join(errors))
+        write_manifest(root, iteration, layout_of(trainer), shards)
+    except (CheckpointError, OSError) as exc:
+        log.warning("checkpoint at iteration %d not saved: %s", iteration, exc)
+        return False
+    deleted = prune(root, iteration)
+    log.info(
+        "checkpoint saved",
+        extra={"iteration": iteration, "checkpoint": str(iteration_dir(root, iteration)), "deleted": deleted},
+    )
+    return True
+
+
+def _fits(current: dict[str, Any]) -> Callable[[dict[str, Any]], None]:
+    """A check that a shard's state has exactly this rank's parameter names and shapes."""
+    model = {k: tuple(v.shape) for k, v in current["model"].items() if isinstance(v, torch.Tensor)}
+    groups = [len(g["params"]) for g in current["optimizer"].get("param_groups", [])]
+
+    def check(payload: dict[str, Any]) -> None:
+        saved = payload["model"]
+        if not isinstance(saved, dict):
+            raise CheckpointError("model state is not a mapping")
+        shapes = {k: tuple(v.shape) for k, v in saved.items() if isinstance(v, torch.Tensor)}
+        if shapes != model:
+            diff = sorted(set(shapes.items()) ^ set(model.items()))[:3]
+            raise CheckpointError(f"model state does not fit this rank's model (first differences: {diff})")
+        optimizer = payload["optimizer"]
+        if not isinstance(optimizer, dict):
+            raise CheckpointError("optimizer state is not a mapping")
+        saved_groups = [len(g["params"]) for g in optimizer.get("param_groups", [])]
+        if sorted(saved_groups) != sorted(groups):
+            raise CheckpointError(f"optimizer state has parameter groups {saved_groups}, this rank {groups}")
+
+    return check
+
+
+def restore(trainer: GPTTrainer, root: str | Path) -> Restored:
+    """Collective: every rank calls it before training. Loads the newest checkpoint that is
+    good on every rank into ``trainer`` (which then continues from its iteration), or leaves
+    the fresh model when there is none."""
+    holder: list[Any] = [list_complete(root) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(holder, src=0)
+    candidates: list[int] = holder[0]
+    layout = layout_of(trainer)
+    tp_rank, pp_rank = trainer.shard
+    check = _fits(trainer.state_dict())
+    for iteration in candidates:
+        payload = try_shard(root, iteration, layout, tp_rank, pp_rank, check)
+        flag = torch.tensor([0 if payload is None else 1], dtype=torch.int32, device=_flag_device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        if int(flag.item()) == 1 and payload is not None:
+            state = {"model": payload["model"], "optimizer": payload["optimizer"], "iteration": iteration}
+            trainer.load_state_dict(state)
+            log.info(
+                "resumed from checkpoint",
+                extra={"iteration": iteration, "checkpoint": str(iteration_dir(root, iteration))},
+            )
+            return Restored(SOURCE_CHECKPOINT, iteration)
+        if payload is not None:
+            log.warning(
+                "checkpoint at iteration %d is good here but not on every rank; falling back to an older one",
+                iteration,
+            )
+    if candidates:
+        log.warning("no usable checkpoint in %s; starting fresh", root)
+    return Restored(SOURCE_FRESH, 0)

@@ -1,0 +1,26 @@
+"""What every end-to-end module does with its LocalCluster: start it, wait for the agents,
+and at the end check that stopping it left no process behind."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import psutil
+
+from unicron.client import UnicronClient
+from unicron.localcluster import LocalCluster
+
+
+def running(local: LocalCluster) -> Iterator[LocalCluster]:
+    """Yields the started cluster once all its agents are READY; stops it even when the
+    test module fails, and asserts nothing outlived it."""
+    local.start()
+    try:
+        with UnicronClient(local.coordinator) as client:
+            local.wait_nodes(client.nodes, local.agents)
+        yield local
+    finally:
+        services = [s.proc.pid for s in local.services]
+        leftovers = local.stop()
+        assert leftovers == [], "processes outlived their service's shutdown"
+        assert not [pid for pid in services if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]

@@ -1,0 +1,263 @@
+"""The self-healing loop end to end, with real processes: three agents, two jobs of different
+weights. A killed trainer is restarted, a SEV3 fault is reattempted in place, a lost agent
+makes the planner pause the lighter job so the heavier one keeps its size, and the agent's
+return grows the cluster back. Each step checks that training goes on (iteration and loss
+move), the incident record, and the incident's trace (spans written by every process to a
+JSON-lines file)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from tests.e2e.conftest import running
+from unicron import jobspec
+from unicron.client import UnicronClient
+from unicron.localcluster import ROOT, LocalCluster, tiny_gpt
+from unicron.v1 import common_pb2
+
+pytestmark = pytest.mark.e2e
+
+HEAVY, LIGHT = "heal-heavy", "heal-light"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    run_dir = Path(tmp_path_factory.mktemp("heal"))
+    local = LocalCluster(
+        run_dir,
+        agents=3,
+        slots_per_agent=1,
+        fault_injection=True,
+        extra_env={"UNICRON_TRACE_FILE": str(run_dir / "spans.jsonl")},
+    )
+    cluster = running(local)
+    next(cluster)
+    try:
+        with UnicronClient(local.coordinator) as client:
+            # Measured-looking profiles (FLOP/s per size), so the plan does not hang on the
+            # estimate for a toy model: the heavy job is worth 4x per FLOP.
+            client.submit(
+                spec(HEAVY, weight=4.0, data=2, min_data=1, preemptible=False, seed=1, profile={1: 1.0, 2: 1.9})
+            )
+            client.submit(spec(LIGHT, weight=1.0, data=1, min_data=1, preemptible=True, seed=2, profile={1: 1.0}))
+            for name in (HEAVY, LIGHT):
+                wait_for(client, name, lambda job: job.progress.iteration >= 3, "never trained", timeout_s=180)
+        yield local
+    finally:
+        next(cluster, None)
+
+
+def spec(
+    name: str, weight: float, data: int, min_data: int, preemptible: bool, seed: int, profile: dict[int, float]
+) -> common_pb2.JobSpec:
+    out = tiny_gpt(name, data=data, seed=seed)
+    for size, gflops in profile.items():
+        out.throughput[size] = gflops * 1e9
+    out.weight = weight
+    out.preemptible = preemptible
+    out.parallelism.min_data = min_data
+    out.training.checkpoint_interval = 5
+    # Divisible by micro-batch x every data-parallel degree the planner may pick.
+    out.training.global_batch_size = 12
+    out.training.micro_batch_size = 1
+    return jobspec.normalized(out)
+
+
+def wait_for(
+    client: UnicronClient, name: str, done: Callable[[common_pb2.Job], bool], what: str, timeout_s: float = 120
+) -> common_pb2.Job:
+    deadline = time.monotonic() + timeout_s
+    while not done(job := client.get(name)):
+        assert time.monotonic() < deadline, f"{name}: {what} (state {job.state}, {job.reason})"
+        time.sleep(0.2)
+    return job
+
+
+def trains_on(client: UnicronClient, name: str, timeout_s: float = 120) -> common_pb2.Job:
+    """Waits until the job runs again and completes two more iterations; returns it."""
+    job = wait_for(client, name, lambda j: j.state == common_pb2.JOB_STATE_RUNNING, "did not resume", timeout_s)
+    start = job.progress.iteration
+    return wait_for(client, name, lambda j: j.progress.iteration >= start + 2, "did not train on", timeout_s)
+
+
+def newest_incident(client: UnicronClient, name: str, after: set[str]) -> common_pb2.Incident:
+    job_id = client.get(name).job_id
+    deadline = time.monotonic() + 60
+    while not (fresh := [i for i in client.incidents(job_id) if i.incident_id not in after]):
+        assert time.monotonic() < deadline, f"{name}: no new incident"
+        time.sleep(0.2)
+    return fresh[-1]
+
+
+def incident_ids(client: UnicronClient, name: str) -> set[str]:
+    return {i.incident_id for i in client.incidents(client.get(name).job_id)}
+
+
+def inject(cluster: LocalCluster, name: str, fault: str, rank: int) -> None:
+    subprocess.run(
+        [sys.executable, "-m", "unicron.cli", "--coordinator", cluster.coordinator, "inject", name, fault,
+         "--rank", str(rank)],
+        check=True, cwd=ROOT, capture_output=True, timeout=30,
+    )  # fmt: skip
+
+
+def spans_of(cluster: LocalCluster, incident: common_pb2.Incident, timeout_s: float = 20) -> list[dict[str, Any]]:
+    """The incident's spans once its root is written (processes flush as spans end)."""
+    trace_id = incident.traceparent.split("-")[1]
+    path = cluster.run_dir / "spans.jsonl"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        lines = path.read_text().splitlines() if path.exists() else []
+        spans = [s for s in map(json.loads, lines) if s["trace_id"] == trace_id]
+        if any(s["name"] == "unicron.incident" for s in spans) or time.monotonic() > deadline:
+            return spans
+        time.sleep(0.5)
+
+
+def check_trace(cluster: LocalCluster, incident: common_pb2.Incident, remedy: str) -> None:
+    spans = spans_of(cluster, incident)
+    names = [s["name"] for s in spans]
+    (root,) = [s for s in spans if s["name"] == "unicron.incident"]
+    assert root["parent_id"] in (None, "")
+    assert root["attributes"]["unicron.incident.id"] == incident.incident_id
+    for name in ("detect", "classify", "transition", "resumed"):
+        assert name in names, names
+    for span in spans:
+        if span["name"] in ("detect", "classify", "resumed", "transition"):
+            assert span["parent_id"] == root["span_id"], span
+    classify = next(s for s in spans if s["name"] == "classify")
+    assert classify["attributes"]["unicron.remedy"] == remedy
+    services = {s["service"] for s in spans if s["name"] == "transition"}
+    assert any("agent" in service for service in services), services
+
+
+def test_a_killed_trainer_is_restarted_and_training_goes_on(cluster: LocalCluster) -> None:
+    with UnicronClient(cluster.coordinator) as client:
+        before = client.get(LIGHT)
+        seen = incident_ids(client, LIGHT)
+        victims = [
+            p
+            for p in psutil.process_iter(["cmdline", "environ"])
+            if "services.trainer" in (p.info["cmdline"] or [])
+            and (p.info["environ"] or {}).get("UNICRON_TRAINER_JOB_ID") == before.job_id
+            and (p.info["environ"] or {}).get("UNICRON_TRAINER_RANK") == "0"
+        ]
+        assert len(victims) == 1
+        victims[0].send_signal(signal.SIGKILL)
+        incident = newest_incident(client, LIGHT, seen)
+        trains_on(client, LIGHT)
+        after = wait_for(
+            client, LIGHT, lambda j: j.progress.iteration > before.progress.iteration, "did not get past the crash"
+        )
+        incident = next(i for i in client.incidents(after.job_id) if i.incident_id == incident.incident_id)
+    assert incident.kind == common_pb2.FAILURE_KIND_PROCESS_EXIT and incident.remedy == common_pb2.REMEDY_RESTART
+    assert incident.HasField("resumed") and incident.cost.transition_seconds > 0
+    assert after.assignment.generation > before.assignment.generation
+    assert after.remedies[-1].remedy == common_pb2.REMEDY_RESTART and after.remedies[-1].HasField("resumed")
+    resumed = next(c.reason for c in reversed(after.history) if "resumed" in c.reason)
+    assert "state: checkpoint" in resumed or "state: fresh" in resumed
+    check_trace(cluster, incident, "restart")
+
+
+def test_a_sev3_fault_is_reattempted_in_place(cluster: LocalCluster) -> None:
+    with UnicronClient(cluster.coordinator) as client:
+        before = client.get(HEAVY)
+        seen = incident_ids(client, HEAVY)
+        inject(cluster, HEAVY, "exception:collective_timeout", rank=1)
+        incident = newest_incident(client, HEAVY, seen)
+        after = trains_on(client, HEAVY)
+        incident = next(i for i in client.incidents(after.job_id) if i.incident_id == incident.incident_id)
+    assert incident.kind == common_pb2.FAILURE_KIND_COLLECTIVE_TIMEOUT
+    assert incident.remedy == common_pb2.REMEDY_REATTEMPT and incident.HasField("resumed")
+    # No process restarted: same generation, and the iteration count never went back.
+    assert after.assignment.generation == before.assignment.generation
+    assert after.progress.iteration > before.progress.iteration
+    assert "state: live" in next(c.reason for c in reversed(after.history) if "resumed" in c.reason)
+    check_trace(cluster, incident, "reattempt")
+
+
+def test_a_lost_agent_pauses_the_lighter_job_and_its_return_grows_it_back(cluster: LocalCluster) -> None:
+    with UnicronClient(cluster.coordinator) as client:
+        heavy = client.get(HEAVY)
+        heavy_size = heavy.assignment.world_size
+        seen = incident_ids(client, HEAVY)
+        victim = heavy.assignment.workers[0].node_id
+        cluster.kill(victim, signal.SIGKILL)
+        # The surviving rank's connection reset arrives first: the ladder reattempts, then
+        # restarts; the heartbeat timeout then shows the node is gone: reconfigure.
+        deadline = time.monotonic() + 60
+        while not (
+            lost := [
+                i
+                for i in client.incidents(heavy.job_id)
+                if i.incident_id not in seen
+                and i.kind == common_pb2.FAILURE_KIND_NODE_LOST
+                and i.remedy != common_pb2.REMEDY_UNSPECIFIED
+            ]
+        ):
+            assert time.monotonic() < deadline, "node loss not handled"
+            time.sleep(0.2)
+        incident = lost[0]
+        assert incident.remedy == common_pb2.REMEDY_RECONFIGURE and incident.node_id == victim
+        heavy = trains_on(client, HEAVY, timeout_s=180)
+        light = client.get(LIGHT)
+        # The heavier job keeps its size, off the lost node; the lighter one made room.
+        assert heavy.assignment.world_size == heavy_size
+        assert victim not in {w.node_id for w in heavy.assignment.workers}
+        assert light.state == common_pb2.JOB_STATE_PENDING, light.reason
+        incident = next(i for i in client.incidents(heavy.job_id) if i.incident_id == incident.incident_id)
+        assert incident.HasField("resumed")
+        check_trace(cluster, incident, "reconfigure")
+        plan_spans = [s for s in spans_of(cluster, incident) if s["name"] == "plan"]
+        assert plan_spans and plan_spans[0]["attributes"]["unicron.plan.solver_status"] in (
+            "SOLVE_STATUS_OPTIMAL",
+            "SOLVE_STATUS_FEASIBLE",
+        )
+        # The node comes back: the plan starts the lighter job again.
+        cluster.service(victim).proc.wait(timeout=10)
+        cluster.restart(victim)
+        cluster.wait_nodes(client.nodes, 3)
+        light = wait_for(
+            client,
+            LIGHT,
+            lambda j: j.state == common_pb2.JOB_STATE_RUNNING and j.assignment.world_size == 1,
+            "did not grow back",
+            timeout_s=180,
+        )
+        light = trains_on(client, LIGHT)
+        assert client.get(HEAVY).assignment.world_size == heavy_size
+        cluster_view = client.cluster()
+    assert cluster_view.nodes_ready == 3 and cluster_view.incidents >= 3
+    assert cluster_view.waf > 0 and cluster_view.failure_waf_seconds > 0
+
+
+def test_a_coordinator_killed_mid_transition_finishes_it_after_a_restart(cluster: LocalCluster) -> None:
+    with UnicronClient(cluster.coordinator) as client:
+        before = client.get(HEAVY)
+        seen = incident_ids(client, HEAVY)
+        inject(cluster, HEAVY, "crash", rank=0)
+        # Kill the coordinator the moment the restart is committed, before the job resumed.
+        wait_for(client, HEAVY, lambda j: len(j.remedies) > len(before.remedies), "no remedy", timeout_s=60)
+        cluster.kill("coordinator", signal.SIGKILL)
+        cluster.service("coordinator").proc.wait(timeout=10)
+    cluster.restart("coordinator")
+    with UnicronClient(cluster.coordinator) as client:
+        after = trains_on(client, HEAVY, timeout_s=180)
+        remedy = after.remedies[len(before.remedies)]
+        incident = next(i for i in client.incidents(after.job_id) if i.incident_id == remedy.incident_id)
+        jobs = client.list_jobs()
+    assert incident.incident_id not in seen and incident.kind == common_pb2.FAILURE_KIND_PROCESS_EXIT
+    assert after.assignment.generation > before.assignment.generation
+    assert after.remedies[-1].HasField("resumed")
+    assert incident.HasField("resumed")
+    assert sorted(j.spec.name for j in jobs) == sorted([HEAVY, LIGHT])  # nothing lost or duplicated

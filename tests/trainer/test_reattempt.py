@@ -1,0 +1,223 @@
+"""Reattempt in place: after a reattemptable (SEV3) error a rank reports it, waits for the
+agent's decision and redoes the same iteration.
+
+The decision logic is tested against a fake link (no torch). The real case runs two trainer
+ranks (`python -m services.trainer`, gloo) against a fake agent that answers every error with
+a reattempt: rank 1 raises an injected collective timeout at iteration 2, before any
+collective of that iteration, while rank 0 waits in its gradient all-reduce.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+
+from services.trainer.__main__ import Decision, Run, TrainerConfig, after_failure
+from services.trainer.agent_link import AgentLink, LinkCallbacks
+from services.trainer.faults import FaultInjector, InjectedFailure
+from tests.trainer.harness import FakeAgent, assert_same_params, reference_run, run_ranks, tiny_spec, trainer_configs
+from unicron.faults import EXCEPTION_TEXTS
+from unicron.v1 import common_pb2
+from unicron.v1 import trainer_service_pb2 as pb
+
+TIMEOUT_TEXT = EXCEPTION_TEXTS[common_pb2.FAILURE_KIND_COLLECTIVE_TIMEOUT]
+
+
+class FakeLink:
+    def __init__(self) -> None:
+        self.sent: list[pb.ConnectRequest] = []
+
+    def send(self, message: pb.ConnectRequest) -> None:
+        self.sent.append(message)
+
+
+def _run(wait_s: float = 5.0, max_reattempts: int = 3, iteration: int = 1) -> tuple[Run, FakeLink]:
+    config = TrainerConfig(
+        job_id="job-1", agent="127.0.0.1:1", spec="{}", reattempt_wait_s=wait_s, max_reattempts=max_reattempts
+    )
+    link = FakeLink()
+    stop = threading.Event()
+    injector = FaultInjector(False, lambda fault, at: None, stop)
+    run = Run(config, common_pb2.JobSpec(), cast(AgentLink, link), stop, injector, iteration=iteration)
+    return run, link
+
+
+def _later(action: Any, delay_s: float = 0.05) -> None:
+    timer = threading.Timer(delay_s, action)
+    timer.daemon = True
+    timer.start()
+
+
+def test_sev3_error_is_reported_first_then_reattempted_on_the_agents_word() -> None:
+    run, link = _run()
+    _later(lambda: run.reattempts.put("inc-1"))
+    assert after_failure(run, InjectedFailure(TIMEOUT_TEXT)) is Decision.REATTEMPT
+    [message] = link.sent
+    assert message.error.kind == common_pb2.FAILURE_KIND_COLLECTIVE_TIMEOUT
+    assert message.error.iteration == 2
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[gloo/transport/tcp/pair.cc:534] Connection reset by peer",
+        "DistNetworkError: Connection refused (peer 10.0.0.7:29500)",
+        "NCCL WARN NET/IB : link is down (port 1), link flapping",
+    ],
+)
+def test_every_sev3_kind_waits_for_the_agent(text: str) -> None:
+    run, _ = _run()
+    run.reattempts.put("stale")  # an answer to an earlier incident is not this one's
+    _later(lambda: run.reattempts.put("inc-2"))
+    assert after_failure(run, RuntimeError(text)) is Decision.REATTEMPT
+
+
+def test_no_answer_within_the_wait_gives_up() -> None:
+    run, link = _run(wait_s=0.3)
+    run.reattempts.put("stale")
+    start = time.monotonic()
+    assert after_failure(run, InjectedFailure(TIMEOUT_TEXT)) is Decision.GIVE_UP
+    assert 0.25 <= time.monotonic() - start < 3.0
+    assert len(link.sent) == 1
+
+
+def test_a_stop_while_waiting_stops() -> None:
+    run, _ = _run()
+    _later(run.stop.set)
+    assert after_failure(run, InjectedFailure(TIMEOUT_TEXT)) is Decision.STOP
+
+
+def test_losing_the_agent_while_waiting_gives_up() -> None:
+    run, _ = _run()
+
+    def lose() -> None:
+        run.lost.set()
+        run.stop.set()
+
+    _later(lose)
+    start = time.monotonic()
+    assert after_failure(run, InjectedFailure(TIMEOUT_TEXT)) is Decision.GIVE_UP
+    assert time.monotonic() - start < 3.0
+
+
+def test_errors_that_are_not_sev3_do_not_wait() -> None:
+    run, link = _run()
+    run.reattempts.put("inc-1")
+    assert after_failure(run, RuntimeError("CUDA error: an illegal memory access was encountered")) is Decision.GIVE_UP
+    assert after_failure(run, ValueError("shapes do not align")) is Decision.GIVE_UP
+    assert [m.error.kind for m in link.sent] == [
+        common_pb2.FAILURE_KIND_ILLEGAL_MEMORY_ACCESS,
+        common_pb2.FAILURE_KIND_SOFTWARE_ERROR,
+    ]
+
+
+def test_a_step_that_already_updated_parameters_is_not_redone() -> None:
+    run, link = _run()
+    run.reattempts.put("inc-1")
+    assert after_failure(run, InjectedFailure(TIMEOUT_TEXT), redoable=False) is Decision.GIVE_UP
+    assert len(link.sent) == 1
+
+
+def test_at_most_max_reattempts_per_iteration() -> None:
+    run, link = _run(max_reattempts=2, iteration=4)
+    for _ in range(2):
+        run.reattempts.put("ignored: sent before the error")
+        _later(lambda: run.reattempts.put("inc"))
+        assert after_failure(run, InjectedFailure(TIMEOUT_TEXT)) is Decision.REATTEMPT
+    start = time.monotonic()
+    assert after_failure(run, InjectedFailure(TIMEOUT_TEXT)) is Decision.GIVE_UP
+    assert time.monotonic() - start < 1.0, "the third failure must not wait"
+    assert [m.error.iteration for m in link.sent] == [5, 5, 5]
+    # The next iteration has its own budget.
+    run.iteration = 5
+    _later(lambda: run.reattempts.put("inc"))
+    assert after_failure(run, InjectedFailure(TIMEOUT_TEXT)) is Decision.REATTEMPT
+
+
+def test_config_reads_the_new_settings_from_the_environment() -> None:
+    from unicron.config import load_config
+
+    env = {
+        "UNICRON_TRAINER_JOB_ID": "j",
+        "UNICRON_TRAINER_AGENT": "a:1",
+        "UNICRON_TRAINER_SPEC": "{}",
+        "UNICRON_TRAINER_CHECKPOINT_DIR": "/ckpt/j",
+        "UNICRON_TRAINER_REATTEMPT_WAIT_S": "2.5",
+        "UNICRON_TRAINER_MAX_REATTEMPTS": "5",
+    }
+    config = load_config(TrainerConfig, env_prefix="UNICRON_TRAINER", argv=[], env=env)
+    assert (config.checkpoint_dir, config.reattempt_wait_s, config.max_reattempts) == ("/ckpt/j", 2.5, 5)
+    defaults = TrainerConfig(job_id="j", agent="a:1", spec="{}")
+    assert (defaults.checkpoint_dir, defaults.reattempt_wait_s, defaults.max_reattempts) == ("", 60.0, 3)
+
+
+def test_the_link_delivers_the_agents_reattempt() -> None:
+    agent = FakeAgent()
+    got: list[str] = []
+    answered = threading.Event()
+
+    def on_reattempt(incident: str) -> None:
+        got.append(incident)
+        answered.set()
+
+    link = AgentLink(
+        agent.address,
+        pb.TrainerHello(job_id="j", generation=1, rank=3),
+        LinkCallbacks(
+            on_stop=lambda r: None, on_inject=lambda f: None, on_lost=lambda r: None, on_reattempt=on_reattempt
+        ),
+    )
+    try:
+        link.open(timeout_s=10)
+        link.send(pb.ConnectRequest(error=pb.TrainerError(kind=common_pb2.FAILURE_KIND_NETWORK_ERROR, iteration=7)))
+        assert answered.wait(10)
+        assert got == ["inc-3-7"]
+    finally:
+        link.close()
+        agent.stop()
+    # Callers that predate reattempts still build their callbacks.
+    LinkCallbacks(on_stop=lambda r: None, on_inject=lambda f: None, on_lost=lambda r: None).on_reattempt("x")
+
+
+# --- the real thing: two gloo ranks, rank 1 fails at iteration 2 and reattempts ---------------
+
+
+def test_world2_reattempt_in_place_matches_a_fault_free_run(tmp_path: Path) -> None:
+    from services.trainer import checkpoint
+
+    iterations = 4
+    spec = tiny_spec(iterations=iterations, checkpoint_interval=iterations)  # one checkpoint: the final params
+    root = tmp_path / "ckpt"
+    agent = FakeAgent()
+    try:
+        results = run_ranks(agent, spec, 2, tmp_path / "ranks", root, faults={1: "exception:collective_timeout@2"})
+    finally:
+        agent.stop()
+    for rank, result in enumerate(results):
+        assert result.returncode == 0, f"rank {rank} exited {result.returncode}:\n{result.log[-3000:]}"
+
+    [error] = agent.of(1, "error")
+    assert (error.kind, error.iteration) == (common_pb2.FAILURE_KIND_COLLECTIVE_TIMEOUT, 2)
+    assert agent.of(0, "error") == []
+    assert "reattempting in place" in results[1].log
+    reports = {rank: agent.of(rank, "iteration") for rank in (0, 1)}
+    for rank in (0, 1):
+        assert [r.iteration for r in reports[rank]] == list(range(1, iterations + 1))
+        assert [f.iterations for f in agent.of(rank, "finished")] == [iterations]
+    assert [r.loss for r in reports[0]] == [r.loss for r in reports[1]]
+    # The first report after the reattempt names the live state, kept from iteration 1.
+    assert [(r.state_source, r.restored_iteration) for r in reports[1]] == [("fresh", 0), ("live", 1), ("", 0), ("", 0)]
+    assert (reports[0][0].state_source, reports[0][0].restored_iteration) == ("fresh", 0)
+
+    # Against a fault-free run (world 1 in this process; DP 2 vs DP 1 agree up to rounding).
+    want_losses, want_params = reference_run(spec, tmp_path / "store")
+    for i, (got, want) in enumerate(zip([r.loss for r in reports[0]], want_losses, strict=True)):
+        assert math.isclose(got, want, rel_tol=1e-5), f"iteration {i + 1}: loss {got} != {want}"
+    found = checkpoint.find_latest(root, checkpoint.layout_of_config(trainer_configs(spec)[0], 1, 1))
+    assert found is not None and found[0] == iterations
+    assert_same_params(found[1]["model"], want_params)
