@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 GEN_STAMP := unicron/v1/.generated
 PROTOS := $(wildcard proto/unicron/v1/*.proto)
 
-.PHONY: all venv gen redis demo test test-unit lint fmt clean bench-planner bench-detect
+.PHONY: all venv gen redis demo test test-unit lint fmt clean bench-planner bench-detect bench-transition
 
 all: test
 
@@ -48,6 +48,9 @@ bench-planner: gen
 
 bench-detect: gen redis
 	$(PY) -m bench.detection
+
+bench-transition: gen redis
+	$(PY) -m bench.transition
 
 lint: gen
 	$(PY) -m ruff check .

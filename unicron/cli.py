@@ -104,7 +104,7 @@ def incident_row(incident: common_pb2.Incident) -> list[str]:
     detected = incident.detected.ToNanoseconds() / 1e9
     latency = detected - incident.first_seen.ToNanoseconds() / 1e9
     ranks = sorted({r.rank for r in incident.reports if r.HasField("rank")})
-    costed = incident.HasField("cost")
+    costed = incident.HasField("resumed")
     return [
         incident.incident_id,
         incident.job_id or "-",

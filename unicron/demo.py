@@ -1,6 +1,7 @@
 """`make demo`: the whole system on this machine. Starts Redis, the coordinator, two
-planner replicas and two agents, submits a small GPT job spanning both agents, shows its
-progress, prints a summary and stops everything."""
+planner replicas and two agents, submits a small GPT job spanning both agents, kills one of
+its ranks partway through (fault injection) so the self-healing loop shows, follows the job
+to its end, prints a summary with the incident and what it cost, and stops everything."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ import time
 from pathlib import Path
 
 from unicron import jobspec
-from unicron.cli import follow, print_job, state_name, table
+from unicron.cli import INCIDENT_HEADERS, follow, incident_row, print_job, state_name, table
 from unicron.client import ClientError, UnicronClient
 from unicron.errors import UnicronError
+from unicron.faults import parse_fault
 from unicron.localcluster import ROOT, LocalCluster
 from unicron.v1 import common_pb2
 
@@ -26,12 +28,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--spec", default=str(ROOT / "examples" / "gpt-tiny.yaml"))
     parser.add_argument("--run-dir", default=str(ROOT / "run" / "demo"))
+    parser.add_argument(
+        "--fault",
+        default="crash@12",
+        help="fault to inject into the job's last rank (kind[:arg][@iteration]); 'none' for a clean run",
+    )
     args = parser.parse_args(argv)
     run_dir = Path(args.run_dir) / time.strftime("%Y%m%d-%H%M%S")
     spec = jobspec.normalized(jobspec.load_spec_file(args.spec))
     started = time.monotonic()
     say(f"starting Redis, coordinator, 2 planners, 2 agents (logs in {run_dir})")
-    cluster = LocalCluster(run_dir, redis_url=os.environ.get("UNICRON_REDIS_URL"))
+    fault = None if args.fault == "none" else parse_fault(args.fault, jobspec.world_size(spec) - 1)
+    cluster = LocalCluster(run_dir, redis_url=os.environ.get("UNICRON_REDIS_URL"), fault_injection=fault is not None)
     code = 1
     try:
         cluster.start()
@@ -46,10 +54,20 @@ def main(argv: list[str] | None = None) -> int:
                 f"submitted {job.job_id}: GPT {spec.model.num_layers} layers, "
                 f"{jobspec.world_size(spec)} ranks, {spec.training.iterations} iterations"
             )
+            if fault is not None:
+                # Faults go to live trainers: wait for the first iteration.
+                while client.get(job.job_id).state in (common_pb2.JOB_STATE_PENDING, common_pb2.JOB_STATE_SCHEDULED):
+                    time.sleep(0.1)
+                node = client.inject(job.job_id, fault)
+                print(f"armed fault {args.fault} on rank {fault.rank} ({node}): watch the job heal itself")
             watched = follow(client, job.job_id, sys.stdout, as_json=False)
             job = client.get(job.job_id)
             say("summary")
             print_job(job, sys.stdout)
+            found = client.incidents(job.job_id)
+            if found:
+                say("incidents")
+                table([incident_row(i) for i in found], INCIDENT_HEADERS, sys.stdout)
             trend = (
                 f"loss {watched.first_loss:.4f} -> {watched.last_loss:.4f}"
                 if watched.first_loss is not None and watched.last_loss is not None

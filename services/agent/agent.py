@@ -112,6 +112,10 @@ class Agent:
         # Jobs with a trainer that reported an error and waits for the coordinator's remedy:
         # no hang verdicts for them until an iteration completes again.
         self._awaiting_decision: set[tuple[str, int]] = set()
+        self._flush_now = threading.Event()
+        # Job generations whose next iteration ends a transition (a start, a reattempt, a
+        # reform): their first report skips the batching delay.
+        self._flush_next: set[tuple[str, int]] = set()
         # Per job generation: the CPU rate of its local trainers over the last tick, in cores.
         self._cpu_rates: dict[tuple[str, int], float] = {}
         self._cpu_last: dict[tuple[str, int], tuple[float, float]] = {}
@@ -237,7 +241,11 @@ class Agent:
                 items.append(self._reports.get(timeout=0.5))
             except queue.Empty:
                 continue
-            self._stop.wait(REPORT_BATCH_S)
+            # Batch, unless an iteration that ends a recovery is waiting: the coordinator
+            # counts the recovery's cost until it hears of it.
+            if not self._flush_now.is_set():
+                self._flush_now.wait(REPORT_BATCH_S)
+            self._flush_now.clear()
             while not self._reports.empty():
                 items.append(self._reports.get_nowait())
             batch: list[pb.IterationReport] = []
@@ -355,6 +363,15 @@ class Agent:
                 self._ack(command, stop.job_id, stop.generation)
 
             threading.Thread(target=stop_and_ack, name="stop", daemon=True).start()
+        elif kind == "reform":
+            reform = command.reform
+            with self._transition_span(command, "reform", reform.job_id, reform.assignment.generation):
+                try:
+                    self._reform(reform)
+                except OSError as exc:
+                    self._ack(command, reform.job_id, reform.assignment.generation, f"cannot reform: {exc}")
+                else:
+                    self._ack(command, reform.job_id, reform.assignment.generation)
         elif kind == "reattempt":
             with self._transition_span(command, "reattempt", command.reattempt.job_id, command.reattempt.generation):
                 self._reattempt(command.reattempt)
@@ -394,13 +411,18 @@ class Agent:
         message = trainer_service_pb2.ConnectResponse(
             reattempt=trainer_service_pb2.AgentReattempt(incident_id=reattempt.incident_id)
         )
+        with self._monitors_lock:
+            self._flush_next.add((reattempt.job_id, reattempt.generation))
         told = self.link.broadcast(reattempt.job_id, message, generation=reattempt.generation)
         log.info(
             "reattempt in place",
             extra={"job_id": reattempt.job_id, "incident": reattempt.incident_id, "trainers": told},
         )
 
-    def _start_workers(self, start: pb.StartWorkers) -> None:
+    def _start_workers(
+        self, start: pb.StartWorkers, only: set[int] | None = None, extra_env: dict[str, str] | None = None
+    ) -> None:
+        """Starts this node's ranks of the assignment (only those in `only`, when given)."""
         assignment = start.assignment
         ranks = [r for w in assignment.workers if w.node_id == self.settings.node_id for r in w.ranks]
         spec_json = json_format.MessageToJson(start.spec, indent=None)
@@ -409,10 +431,11 @@ class Agent:
                 start.job_id, assignment.generation, ranks, self.settings.monitor, time.time()
             )
             self._last_iteration[start.job_id] = start.spec.training.iterations
+            self._flush_next.add((start.job_id, assignment.generation))
         for rank in ranks:
             key = WorkerKey(start.job_id, assignment.generation, rank)
-            if key in self.supervisor.running(start.job_id):
-                continue  # a replayed command after a reconnect
+            if key in self.supervisor.running(start.job_id) or (only is not None and rank not in only):
+                continue  # a replayed command after a reconnect, or a rank kept alive
             env = dict(os.environ)
             env.update(
                 {
@@ -432,7 +455,55 @@ class Agent:
             env.setdefault("OMP_NUM_THREADS", "1")
             if self.settings.checkpoint_dir is not None:
                 env["UNICRON_TRAINER_CHECKPOINT_DIR"] = str(self.settings.checkpoint_dir / start.job_id)
+            env.update(extra_env or {})
             self.supervisor.launch(key, self.settings.trainer_command, env)
+
+    def _reform(self, reform: pb.Reform) -> None:
+        """Moves this node's live ranks of the job to the new generation in place (they
+        keep their state and join the new process group), stops the live ranks the new
+        assignment leaves out, and starts its new ranks, which take the state from a live
+        peer."""
+        assignment = reform.assignment
+        here = {r for w in assignment.workers if w.node_id == self.settings.node_id for r in w.ranks}
+        kept: set[int] = set()
+        for key in self.supervisor.running(reform.job_id):
+            new_rank = reform.rank_map.get(key.rank)
+            if key.generation != reform.from_generation or new_rank is None or new_rank not in here:
+                continue
+            new_key = WorkerKey(reform.job_id, assignment.generation, new_rank)
+            self.supervisor.rekey(key, new_key)
+            self.link.rekey(key, new_key)
+            message = trainer_service_pb2.AgentReform(
+                incident_id=reform.incident_id,
+                generation=assignment.generation,
+                rank=new_rank,
+                world_size=assignment.world_size,
+                master_addr=assignment.master_addr,
+                master_port=assignment.master_port,
+            )
+            if not self.link.send(new_key, trainer_service_pb2.ConnectResponse(reform=message)):
+                log.warning("reform: trainer not connected", extra={"job_id": reform.job_id, "rank": key.rank})
+            kept.add(new_rank)
+        leaving = f"left out of generation {assignment.generation}"
+        self.link.request_stop(reform.job_id, leaving, reform.from_generation)
+        self._forget_job(reform.job_id, reform.from_generation)
+        threading.Thread(
+            target=self.supervisor.stop,
+            args=(reform.job_id, self.settings.stop_grace_s, reform.from_generation),
+            name="stop",
+            daemon=True,
+        ).start()
+        start = pb.StartWorkers(job_id=reform.job_id, spec=reform.spec, assignment=assignment)
+        self._start_workers(start, only=here - kept, extra_env={"UNICRON_TRAINER_STATE_FROM_PEER": "1"})
+        log.info(
+            "reformed job",
+            extra={
+                "job_id": reform.job_id,
+                "generation": assignment.generation,
+                "kept": sorted(kept),
+                "started": sorted(here - kept),
+            },
+        )
 
     def _forget_job(self, job_id: str, max_generation: int = 0) -> None:
         with self._monitors_lock:
@@ -440,6 +511,7 @@ class Agent:
                 del self._monitors[key]
                 self._finishing.discard(key)
                 self._awaiting_decision.discard(key)
+                self._flush_next.discard(key)
             if not any(k[0] == job_id for k in self._monitors):
                 self._last_iteration.pop(job_id, None)
 
@@ -476,7 +548,11 @@ class Agent:
             if report.iteration >= self._last_iteration.get(key.job_id, 0) > 0:
                 self._finishing.add((key.job_id, key.generation))
             self._awaiting_decision.discard((key.job_id, key.generation))
+            flush = (key.job_id, key.generation) in self._flush_next
+            self._flush_next.discard((key.job_id, key.generation))
         self._reports.put(report)
+        if flush:
+            self._flush_now.set()
 
     def _trainer_error(self, key: WorkerKey, error: trainer_service_pb2.TrainerError) -> None:
         self._errors[key] = error.message

@@ -73,6 +73,8 @@ class Supervisor:
         code = proc.wait()
         exited_at = time.time()
         with self._lock:
+            # The process may have joined a newer generation since it started (rekey).
+            key = next((k for k, p in self._procs.items() if p is proc), key)
             self._procs.pop(key, None)
             stopped = key in self._stopping
             self._stopping.discard(key)
@@ -89,6 +91,18 @@ class Supervisor:
             "trainer exited", extra={"job_id": key.job_id, "rank": key.rank, "exit_code": exit_code, "signal": sig}
         )
         self._on_exit(WorkerExit(key, exit_code, sig, tail, stopped, exited_at))
+
+    def rekey(self, old: WorkerKey, new: WorkerKey) -> bool:
+        """The process of `old` now runs as `new` (it joined a new generation in place)."""
+        with self._lock:
+            proc = self._procs.pop(old, None)
+            if proc is None:
+                return False
+            self._procs[new] = proc
+            if old in self._stopping:
+                self._stopping.discard(old)
+                self._stopping.add(new)
+        return True
 
     def pids(self, job_id: str) -> dict[WorkerKey, int]:
         with self._lock:

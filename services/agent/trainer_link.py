@@ -41,13 +41,21 @@ class LinkHandlers:
     on_fault_fired: Callable[[WorkerKey, pb.FaultFired], None]
 
 
+@dataclass
+class _Stream:
+    """One trainer's stream; its key changes when the trainer joins a new generation."""
+
+    key: WorkerKey
+    outbox: queue.Queue[pb.ConnectResponse | None]
+
+
 class TrainerLink(trainer_service_pb2_grpc.TrainerAgentServiceServicer):
     def __init__(self, node_id: str, handlers: LinkHandlers) -> None:
         self._node_id = node_id
         self._handlers = handlers
         self._limiter = KeyedLimiter(REPORTS_PER_S, REPORT_BURST)
         self._lock = threading.Lock()
-        self._outboxes: dict[WorkerKey, queue.Queue[pb.ConnectResponse | None]] = {}
+        self._streams: dict[WorkerKey, _Stream] = {}
 
     def Connect(
         self, request_iterator: Iterator[pb.ConnectRequest], context: grpc.ServicerContext
@@ -64,17 +72,17 @@ class TrainerLink(trainer_service_pb2_grpc.TrainerAgentServiceServicer):
                 f"no trainer of job {hello.job_id} generation {hello.generation} rank {hello.rank} runs here",
             )
             return
-        outbox: queue.Queue[pb.ConnectResponse | None] = queue.Queue()
+        stream = _Stream(key, queue.Queue())
         with self._lock:
-            self._outboxes[key] = outbox
-        outbox.put(pb.ConnectResponse(welcome=pb.AgentWelcome(node_id=self._node_id)))
+            self._streams[key] = stream
+        stream.outbox.put(pb.ConnectResponse(welcome=pb.AgentWelcome(node_id=self._node_id)))
         threading.Thread(
-            target=self._read, args=(key, request_iterator, outbox), daemon=True, name=f"link-{hello.rank}"
+            target=self._read, args=(stream, request_iterator), daemon=True, name=f"link-{hello.rank}"
         ).start()
         try:
             while context.is_active():
                 try:
-                    message = outbox.get(timeout=1.0)
+                    message = stream.outbox.get(timeout=1.0)
                 except queue.Empty:
                     continue
                 if message is None:
@@ -82,35 +90,41 @@ class TrainerLink(trainer_service_pb2_grpc.TrainerAgentServiceServicer):
                 yield message
         finally:
             with self._lock:
-                if self._outboxes.get(key) is outbox:
-                    del self._outboxes[key]
-            self._limiter.forget(str(key))
+                if self._streams.get(stream.key) is stream:
+                    del self._streams[stream.key]
+            self._limiter.forget(str(stream.key))
 
-    def _read(
-        self,
-        key: WorkerKey,
-        request_iterator: Iterator[pb.ConnectRequest],
-        outbox: queue.Queue[pb.ConnectResponse | None],
-    ) -> None:
+    def rekey(self, old: WorkerKey, new: WorkerKey) -> bool:
+        """The trainer behind `old` moved to a new generation and rank (a reform): its
+        stream now speaks for `new`. False when no such trainer is connected."""
+        with self._lock:
+            stream = self._streams.pop(old, None)
+            if stream is None:
+                return False
+            stream.key = new
+            self._streams[new] = stream
+        return True
+
+    def _read(self, stream: _Stream, request_iterator: Iterator[pb.ConnectRequest]) -> None:
         last_refusal = ""
         try:
             for message in request_iterator:
                 try:
-                    self._handle(key, message)
+                    self._handle(stream.key, message)
                     last_refusal = ""
                 except Rejected as exc:
                     # Say it once per run of refusals, not once per flooded message.
                     if exc.code != last_refusal:
-                        outbox.put(pb.ConnectResponse(rejected=pb.Rejected(code=exc.code, reason=str(exc))))
+                        stream.outbox.put(pb.ConnectResponse(rejected=pb.Rejected(code=exc.code, reason=str(exc))))
                         log.warning(
                             "trainer message rejected",
-                            extra={"job_id": key.job_id, "rank": key.rank, "reason": str(exc)},
+                            extra={"job_id": stream.key.job_id, "rank": stream.key.rank, "reason": str(exc)},
                         )
                     last_refusal = exc.code
         except grpc.RpcError:
             pass  # the trainer went away; its exit status is reported by the supervisor
         finally:
-            outbox.put(None)
+            stream.outbox.put(None)
 
     def _handle(self, key: WorkerKey, message: pb.ConnectRequest) -> None:
         if not self._limiter.allow(str(key)):
@@ -134,10 +148,10 @@ class TrainerLink(trainer_service_pb2_grpc.TrainerAgentServiceServicer):
 
     def send(self, key: WorkerKey, message: pb.ConnectResponse) -> bool:
         with self._lock:
-            box = self._outboxes.get(key)
-        if box is not None:
-            box.put(message)
-        return box is not None
+            stream = self._streams.get(key)
+        if stream is not None:
+            stream.outbox.put(message)
+        return stream is not None
 
     def request_stop(self, job_id: str, reason: str, max_generation: int = 0) -> None:
         self.broadcast(job_id, pb.ConnectResponse(stop=pb.AgentStop(reason=reason)), max_generation)
@@ -147,8 +161,8 @@ class TrainerLink(trainer_service_pb2_grpc.TrainerAgentServiceServicer):
         max_generation); returns how many."""
         with self._lock:
             targets = [
-                box
-                for key, box in self._outboxes.items()
+                stream.outbox
+                for key, stream in self._streams.items()
                 if key.job_id == job_id
                 and (not max_generation or key.generation <= max_generation)
                 and (not generation or key.generation == generation)
@@ -159,4 +173,4 @@ class TrainerLink(trainer_service_pb2_grpc.TrainerAgentServiceServicer):
 
     def connected(self) -> list[WorkerKey]:
         with self._lock:
-            return list(self._outboxes)
+            return list(self._streams)

@@ -61,6 +61,8 @@ class CoordinatorConfig:
     # Deadlines: an agent's acknowledgement of a start, a remedy's first iteration.
     ack_timeout_s: float = 15.0
     recovery_timeout_s: float = 180.0
+    # Restart only a job's dead ranks (state from a live peer) when the others wait.
+    reform_restarts: bool = True
 
     def __post_init__(self) -> None:
         require(":" in self.bind, "bind", "must be host:port")
@@ -98,6 +100,7 @@ def setup(
             ladder=LadderPolicy(config.remedy_attempts, config.remedy_window_s, config.max_remedies),
             ack_timeout_s=config.ack_timeout_s,
             recovery_timeout_s=config.recovery_timeout_s,
+            reform_restarts=config.reform_restarts,
         ),
     )
     coordinator.metrics = CoordinatorMetrics(coordinator.cluster)

@@ -56,6 +56,8 @@ class Settings:
     recovery_timeout_s: float = 180.0
     # A planner that is down or finds no plan is asked again after a backoff up to this.
     replan_backoff_max_s: float = 30.0
+    # Restart only the dead ranks, the others keeping their state in place, when they can.
+    reform_restarts: bool = True
 
 
 def event(job: common_pb2.Job, kind: int, now: float, message: str, **fields: object) -> common_pb2.JobEvent:
@@ -273,6 +275,15 @@ class Coordinator:
         for report in reports:
             job = jobs[report.job_id]
             if job.assignment.generation != report.generation:
+                # A remedy can overtake the last reports of the generation it replaced: they
+                # are still the job's true progress (what a restart will have to recompute).
+                if (
+                    report.rank == 0
+                    and report.generation < job.assignment.generation
+                    and job.state == state.RECOVERING
+                    and report.iteration > job.progress.iteration
+                ):
+                    self._set_progress(job, report, now)
                 continue
             if state.is_terminal(job.state):
                 # Reports held back by an outage can arrive after the exits that ended the
@@ -508,7 +519,8 @@ class Coordinator:
                     request.rank,
                     request.exit_code,
                     request.signal,
-                    request.error or _last_line(request.stderr_tail),
+                    # A signal's victim left no explanation; an exit's last stderr line often is one.
+                    request.error or ("" if request.signal else _last_line(request.stderr_tail)),
                     exited,
                 )
             )
@@ -644,10 +656,16 @@ class Coordinator:
                     trace.ATTR_DETECTION_SOURCE: common_pb2.DetectionSource.Name(report.source),
                 },
             )
-        if incident.job_id and incidents.is_consequence(incident.kind) and incident.remedy == 0:
-            # A network error is often how a peer's death looks from outside, and the
-            # death's own report is a few milliseconds behind: decide after a short hold
-            # (the reconcile loop), unless a report that explains it arrives first.
+        if (
+            incident.job_id
+            and incident.remedy == common_pb2.REMEDY_UNSPECIFIED
+            and incidents.holds(incident.kind)
+            and not incidents.accounts_for_all(incident, self.store.get_job(incident.job_id).assignment.world_size)
+        ):
+            # A network error is often how a peer's death looks from outside, and a death
+            # is best answered once the peers said they wait (then only the dead rank
+            # restarts): until every rank is accounted for, decide after a short hold
+            # (the reconcile loop).
             if created:
                 threading.Timer(incidents.DECISION_HOLD_S, self._wake.set).start()
             return incident
@@ -665,7 +683,7 @@ class Coordinator:
             if (
                 incident.job_id
                 and incident.remedy == common_pb2.REMEDY_UNSPECIFIED
-                and incidents.is_consequence(incident.kind)
+                and incidents.holds(incident.kind)
                 and now - incident.detected.ToNanoseconds() / 1e9 >= incidents.DECISION_HOLD_S
                 and incidents.is_open(incident, now)
             ):
@@ -734,15 +752,26 @@ class Coordinator:
                 attempt.generation = job.assignment.generation
                 commands = transitions.reattempt(job, incident.incident_id)
             elif remedy == common_pb2.REMEDY_RESTART:
-                commands = transitions.stop(
-                    job, now, f"restart: {incident.summary}", settings.ack_timeout_s, unreachable
-                )
-                placement = decide.slots_by_node(job)
-                assignment = self._new_assignment(job, placement)
+                assignment = self._new_assignment(job, decide.slots_by_node(job))
                 attempt.generation = assignment.generation
-                commands += transitions.start(
-                    job, assignment, now, f"restart after {incident.incident_id}", settings.ack_timeout_s
+                rank_map = (
+                    decide.survivor_map(job, assignment, *incidents.waiting_and_gone(incident))
+                    if settings.reform_restarts
+                    else None
                 )
+                if rank_map is not None:
+                    # Only the dead ranks start again; they take the state from a live peer.
+                    why = f"restart of ranks {sorted(set(range(job.assignment.world_size)) - set(rank_map))}"
+                    commands = transitions.reform(
+                        job, assignment, rank_map, now, why, settings.ack_timeout_s, incident.incident_id, unreachable
+                    )
+                else:
+                    commands = transitions.stop(
+                        job, now, f"restart: {incident.summary}", settings.ack_timeout_s, unreachable
+                    )
+                    commands += transitions.start(
+                        job, assignment, now, f"restart after {incident.incident_id}", settings.ack_timeout_s
+                    )
             else:
                 # The re-plan moves the job off the isolated node; generation set then.
                 commands = []

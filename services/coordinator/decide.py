@@ -132,6 +132,32 @@ def plan_changes(
     return changes
 
 
+def survivor_map(
+    job: common_pb2.Job, assignment: common_pb2.Assignment, waiting: set[int], gone: set[int]
+) -> dict[int, int] | None:
+    """Old rank -> new rank for the ranks that can keep their state through a reform, or
+    None when the job must restart the classic way. A reform needs every rank either gone
+    or waiting for a decision (a rank still inside a collective with a dead peer cannot
+    listen), at least one survivor per node it keeps, and whole-model ranks (tensor and
+    pipeline 1: any data-parallel rank's state serves any other)."""
+    par = job.spec.parallelism
+    if par.tensor != 1 or par.pipeline != 1 or not gone:
+        return None
+    ranks = {r for w in job.assignment.workers for r in w.ranks}
+    if not ranks <= waiting | gone:
+        return None
+    new_by_node = {w.node_id: sorted(w.ranks) for w in assignment.workers}
+    mapping: dict[int, int] = {}
+    for worker in job.assignment.workers:
+        alive = sorted(r for r in worker.ranks if r not in gone)
+        free = new_by_node.get(worker.node_id, [])
+        same = [r for r in alive if r in free]  # a rank keeps its number where it can
+        mapping.update((r, r) for r in same)
+        others = [r for r in alive if r not in same]
+        mapping.update(zip(others, [r for r in free if r not in same], strict=False))
+    return mapping or None
+
+
 def overdue_workers(now: float, jobs: Iterable[common_pb2.Job]) -> list[tuple[str, str]]:
     """(job_id, node_id) of workers whose command acknowledgement is past its deadline."""
     return [

@@ -44,12 +44,20 @@ _CONSEQUENCES = frozenset(
 
 # How long a job's network-error incident waits for a report that explains it (a rank's
 # exit, seen by its agent within ~0.15 s) before the ladder acts on it as it stands.
-DECISION_HOLD_S = 0.3
+DECISION_HOLD_S = 0.2
 
 
-def is_consequence(kind: int) -> bool:
-    """Whether a failure of this kind is often only the echo of another one elsewhere."""
-    return kind in _CONSEQUENCES
+def holds(kind: int) -> bool:
+    """Whether the ladder waits DECISION_HOLD_S for more reports before acting on an
+    incident of this kind: a network error is often only the echo of a failure elsewhere,
+    and a rank's death is cheapest to heal once its peers said they wait."""
+    return kind in _CONSEQUENCES or kind == pb.FAILURE_KIND_PROCESS_EXIT
+
+
+def accounts_for_all(incident: pb.Incident, world_size: int) -> bool:
+    """Whether every rank of the job has reported: waiting after an error, or gone."""
+    waiting, gone = waiting_and_gone(incident)
+    return len(waiting | gone) >= world_size
 
 
 def _root(reports: list[pb.FailureReport]) -> pb.FailureReport:
@@ -158,6 +166,27 @@ def needs_heavier_remedy(incident: pb.Incident) -> bool:
     """Whether a reattempt in place cannot heal the incident as now understood: its root
     cause calls for more, or a rank it needs is gone."""
     return failures.classify(incident.kind).action is not failures.Action.REATTEMPT or not ranks_alive(incident)
+
+
+def waiting_and_gone(incident: pb.Incident) -> tuple[set[int], set[int]]:
+    """Ranks of the incident's generation that reported a network error (they wait for the
+    coordinator's decision, state intact) and ranks that exited."""
+    waiting = {
+        r.rank
+        for r in incident.reports
+        if r.generation == incident.generation
+        and r.source == pb.DETECTION_SOURCE_EXCEPTION
+        and r.kind in _CONSEQUENCES
+        and r.HasField("rank")
+    }
+    gone = {
+        r.rank
+        for r in incident.reports
+        if r.generation == incident.generation
+        and r.source == pb.DETECTION_SOURCE_PROCESS_SUPERVISION
+        and r.HasField("rank")
+    }
+    return waiting - gone, gone
 
 
 def ranks_alive(incident: pb.Incident) -> bool:

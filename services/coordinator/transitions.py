@@ -59,6 +59,44 @@ def stop(
     return commands
 
 
+def reform(
+    job: common_pb2.Job,
+    assignment: common_pb2.Assignment,
+    rank_map: dict[int, int],
+    now: float,
+    reason: str,
+    ack_timeout_s: float,
+    incident_id: str,
+    unreachable: frozenset[str] = frozenset(),
+) -> Commands:
+    """Moves the job to a new generation without restarting its live ranks: those in
+    rank_map keep their state and join the new group under their new rank; the new
+    assignment's other ranks start fresh and take the state from a live peer."""
+    from_generation = job.assignment.generation
+    old_nodes = [w.node_id for w in job.assignment.workers if w.ranks]
+    for worker in job.workers:
+        if worker.generation == from_generation and worker.state != state.WORKER_STOPPED:
+            state.move_worker(worker, state.WORKER_STOPPED, now, f"reformed into generation {assignment.generation}")
+    job.assignment.CopyFrom(assignment)
+    prune_stopped(job)
+    new_nodes = [w.node_id for w in assignment.workers if w.ranks]
+    for node_id in new_nodes:
+        job.workers.append(state.new_worker(node_id, assignment.generation, now, now + ack_timeout_s, reason))
+    command = node_service_pb2.Reform(
+        job_id=job.job_id,
+        from_generation=from_generation,
+        spec=job.spec,
+        assignment=assignment,
+        rank_map=rank_map,
+        incident_id=incident_id,
+    )
+    return [
+        (node_id, node_service_pb2.NodeCommand(reform=command))
+        for node_id in dict.fromkeys([*old_nodes, *new_nodes])
+        if node_id not in unreachable
+    ]
+
+
 def reattempt(job: common_pb2.Job, incident_id: str) -> Commands:
     """Asks the job's live ranks to redo their interrupted iteration; no process restarts."""
     generation = job.assignment.generation

@@ -7,9 +7,33 @@ abnormal exit, a finished message before a clean one. Exit codes: 0 done, 1 fail
 With a checkpoint directory it resumes from the newest good persistent checkpoint and saves
 one every `checkpoint_interval` iterations (services/trainer/checkpoint.py). After a
 reattemptable (SEV3) error it reports the error and waits for the agent's decision: on
-`reattempt` it redoes the same iteration in place, on `stop` it exits 143, and when the agent
-goes away or does not answer within `reattempt_wait_s` it exits 1, as after any other error.
-The first iteration report after a (re)start names where the state came from."""
+`reattempt` it redoes the same iteration in place, on `reform` it moves to a new process group
+(below) and redoes the iteration there, on `stop` it exits 143, and when the agent goes away or
+does not answer within `reattempt_wait_s` it exits 1, as after any other error.
+
+Reform (transitions without restarting the process, services/trainer/reform.py): the agent's
+`AgentReform` names a new generation, this process's rank and world size in the new group and
+its rendezvous. It is acted on
+
+* at the next iteration boundary when it arrives while the rank trains (a resize: the step in
+  flight completes first; a rank whose step fails because its peers already left finds the
+  reform pending and takes it without reporting the failure as a new incident);
+* as the decision after a reported SEV3 error (the broken iteration's partial gradients are
+  dropped and the iteration is redone in the new group).
+
+A reform whose generation is not newer than the current one is stale and ignored. The rank
+keeps its training state in memory, tears down Megatron's parallel state and the process group,
+joins the new group (same backend and collective timeout) and rebuilds the model for the new
+data-parallel degree; ranks without state (`state_from_peer`: a process started for a grow)
+receive it from a live peer, checksum-verified, with the persistent checkpoint and then a fresh
+model as fallbacks. From then on reports carry the new generation and rank. A failure while
+forming the new group (a peer that never arrives within the collective timeout) is an error
+like any other: reported, exit 1. A rank blocked in a collective of the old group notices the
+reform only when that collective fails: at once when a peer leaves the group or dies, at the
+collective timeout (which bounds Megatron's groups too) when a peer hangs.
+
+The first iteration report after a (re)start or a reform names where the state came from
+(`state_source`: fresh, checkpoint, live, peer) and the iteration it was at."""
 
 from __future__ import annotations
 
@@ -39,10 +63,11 @@ from unicron.logs import setup_logging
 from unicron.v1 import common_pb2, node_service_pb2, trainer_service_pb2
 
 if TYPE_CHECKING:  # torch and Megatron take seconds to import; config errors come first
-    from services.trainer.gpt import ModelConfig, TrainConfig
+    from services.trainer.gpt import GPTTrainer, ModelConfig, TrainConfig
 
 EXIT_STOPPED = 143
-# IterationReport.state_source of the first report after a reattempt in place.
+# IterationReport.state_source of the first report after a reattempt in place or a reform that
+# kept this rank's own state; reform.SOURCE_PEER ("peer") when it came from a peer.
 SOURCE_LIVE = "live"
 
 
@@ -66,6 +91,12 @@ class TrainerConfig:
     # times one iteration may be reattempted before the rank gives up.
     reattempt_wait_s: float = 60.0
     max_reattempts: int = 3
+    # A process started to join a new group (a grow) without state: it receives the training
+    # state from a live peer of its (tensor, pipeline) shard instead of the checkpoint.
+    state_from_peer: bool = False
+    # Testing, honoured only with fault_injection: as the source of a peer transfer, flip one
+    # byte of the state after its checksum was taken (exercises the checkpoint fallback).
+    corrupt_peer_state: bool = False
 
     def __post_init__(self) -> None:
         require(bool(self.job_id), "job_id", "is required")
@@ -81,6 +112,7 @@ class Decision(Enum):
     """What a rank does after an error in its training step."""
 
     REATTEMPT = "reattempt"  # redo the same iteration in place
+    REFORM = "reform"  # move to the new process group of Run.pending_reform, redo the iteration
     STOP = "stop"  # the agent asked to stop: exit 143
     GIVE_UP = "give up"  # exit 1, as after any error
 
@@ -106,6 +138,21 @@ class Run:
     source: tuple[str, int] | None = None
     # The exception already reported to the agent, so it is not reported twice.
     reported: BaseException | None = None
+    # The agent's reform answers, filled by the link's thread; the newest not yet acted on.
+    reforms: queue.Queue[trainer_service_pb2.AgentReform] = field(default_factory=queue.Queue)
+    pending_reform: trainer_service_pb2.AgentReform | None = None
+    # Where this process stands now: the config's values until a reform changes them.
+    generation: int = -1
+    rank: int = -1
+    world_size: int = -1
+
+    def __post_init__(self) -> None:
+        if self.generation < 0:
+            self.generation = self.config.generation
+        if self.rank < 0:
+            self.rank = self.config.rank
+        if self.world_size < 0:
+            self.world_size = self.config.world_size
 
 
 def main(argv: list[str]) -> int:
@@ -144,6 +191,7 @@ def main(argv: list[str]) -> int:
 
     lost = threading.Event()
     reattempts: queue.Queue[str] = queue.Queue()
+    reforms: queue.Queue[trainer_service_pb2.AgentReform] = queue.Queue()
 
     def on_lost(_reason: str) -> None:
         lost.set()
@@ -153,10 +201,14 @@ def main(argv: list[str]) -> int:
         config.agent,
         hello,
         LinkCallbacks(
-            on_stop=lambda reason: stop.set(), on_inject=inject, on_lost=on_lost, on_reattempt=reattempts.put
+            on_stop=lambda reason: stop.set(),
+            on_inject=inject,
+            on_lost=on_lost,
+            on_reattempt=reattempts.put,
+            on_reform=reforms.put,
         ),
     )
-    run = Run(config, spec, link, stop, injector, lost=lost, reattempts=reattempts)
+    run = Run(config, spec, link, stop, injector, lost=lost, reattempts=reattempts, reforms=reforms)
     link.open()
     try:
         train(run, log)
@@ -187,14 +239,44 @@ def report_error(run: Run, exc: BaseException) -> None:
     logging.getLogger("trainer").error("reported %s", kind_name(kind))
 
 
+def poll_reform(run: Run) -> trainer_service_pb2.AgentReform | None:
+    """The reform to act on, if any: the newest one received whose generation is newer than
+    this process's (older ones are stale; malformed ones are logged and dropped). It stays
+    pending in ``run.pending_reform`` until acted on."""
+    log = logging.getLogger("trainer")
+    while True:
+        try:
+            reform = run.reforms.get_nowait()
+        except queue.Empty:
+            break
+        problem = ""
+        if reform.world_size < 1 or reform.rank >= reform.world_size:
+            problem = f"rank {reform.rank} outside world size {reform.world_size}"
+        elif not 0 < reform.master_port < 65536:
+            problem = f"master port {reform.master_port} is not a TCP port"
+        elif reform.generation <= run.generation:
+            problem = f"stale: generation {reform.generation}, this process is at {run.generation}"
+        if problem:
+            log.warning("ignoring a reform (%s)", problem, extra={"incident": reform.incident_id})
+        elif run.pending_reform is None or reform.generation > run.pending_reform.generation:
+            run.pending_reform = reform
+    return run.pending_reform
+
+
 def wait_for_decision(run: Run, timeout_s: float, poll_s: float = 0.05) -> Decision:
-    """The agent's answer to the error just reported: a reattempt message, a stop request,
-    the loss of the link, or nothing within ``timeout_s`` (GIVE_UP)."""
+    """The agent's answer to the error just reported: a reattempt or reform message, a stop
+    request, the loss of the link, or nothing within ``timeout_s`` (GIVE_UP)."""
     deadline = time.monotonic() + timeout_s
     while True:
         if run.stop.is_set():
             # A lost link sets `lost` before `stop`: read after `stop`, it is never missed.
             return Decision.GIVE_UP if run.lost.is_set() else Decision.STOP
+        reform = poll_reform(run)
+        if reform is not None:
+            logging.getLogger("trainer").info(
+                "reforming", extra={"incident": reform.incident_id, "generation": reform.generation}
+            )
+            return Decision.REFORM
         try:
             incident = run.reattempts.get(timeout=max(0.0, min(poll_s, deadline - time.monotonic())))
         except queue.Empty:
@@ -208,16 +290,28 @@ def wait_for_decision(run: Run, timeout_s: float, poll_s: float = 0.05) -> Decis
 def after_failure(run: Run, exc: BaseException, redoable: bool = True) -> Decision:
     """Reports ``exc`` (first, before anything can block) and decides what the rank does next.
     Only a reattemptable (SEV3) error of a step that can be redone waits for the agent, and
-    at most ``max_reattempts`` times for one iteration."""
+    at most ``max_reattempts`` times for one iteration.
+
+    Exception: a SEV3 error while a reform is already pending is not reported; the agent has
+    decided already, and the error is most likely the old group breaking as peers leave it for
+    the new one. The rank takes the reform (with its state only if the step can be redone)."""
     log = logging.getLogger("trainer")
     while True:  # answers to an earlier incident must not decide this one
         try:
             run.reattempts.get_nowait()
         except queue.Empty:
             break
+    failure = classify(classify_exception(exc))
+    if failure.severity == common_pb2.SEVERITY_SEV3 and poll_reform(run) is not None:
+        log.warning(
+            "step %d failed while a reform is pending (%s: %s); joining the new group",
+            run.iteration + 1,
+            type(exc).__name__,
+            str(exc)[:200],
+        )
+        return Decision.REFORM
     report_error(run, exc)
     run.reported = exc
-    failure = classify(classify_exception(exc))
     if failure.severity != common_pb2.SEVERITY_SEV3:
         return Decision.GIVE_UP
     step = run.iteration + 1
@@ -230,7 +324,7 @@ def after_failure(run: Run, exc: BaseException, redoable: bool = True) -> Decisi
         log.error("iteration %d failed again after %d reattempts; giving up", step, run.reattempt_count)
         return Decision.GIVE_UP
     decision = wait_for_decision(run, run.config.reattempt_wait_s)
-    if decision is Decision.REATTEMPT:
+    if decision in (Decision.REATTEMPT, Decision.REFORM):
         run.reattempt_count += 1
     elif decision is Decision.GIVE_UP:
         reason = "the agent connection was lost" if run.lost.is_set() else "no decision from the agent"
@@ -285,11 +379,16 @@ def train(run: Run, log: logging.Logger) -> None:
             tensor_parallel=spec.parallelism.tensor,
             pipeline_parallel=spec.parallelism.pipeline,
             device="cuda" if use_cuda else "cpu",
+            timeout=timedelta(seconds=config.collective_timeout_s),
         )
         if run.injector.enabled:
             trainer.grad_sync_hook = run.injector.in_grad_sync
         log.info("model ready", extra={"rank": config.rank, "world_size": config.world_size})
-        if config.checkpoint_dir:
+        if config.state_from_peer:
+            from services.trainer.reform import receive_state
+
+            restored = receive_state(trainer, config.checkpoint_dir)
+        elif config.checkpoint_dir:
             restored = checkpoint.restore(trainer, config.checkpoint_dir)
         else:
             restored = checkpoint.Restored(checkpoint.SOURCE_FRESH, 0)
@@ -297,24 +396,40 @@ def train(run: Run, log: logging.Logger) -> None:
         run.source = (restored.source, restored.iteration)
         interval = training.checkpoint_interval or DEFAULT_CHECKPOINT_INTERVAL
         while run.iteration < training.iterations and not run.stop.is_set():
+            reform = poll_reform(run)
+            if reform is not None:  # at an iteration boundary: nothing in flight
+                trainer = apply_reform(run, trainer, reform, keep_state=True)
+                continue
+            decision: Decision | None = None
             try:
                 run.injector.before_step(run.iteration + 1)
                 result = trainer.step()
             except Exception as exc:
                 decision = after_failure(run, exc, trainer.step_is_redoable)
-                if decision is Decision.REATTEMPT:
-                    # Same iteration again: its data follows from the iteration number.
-                    trainer.discard_step()
-                    run.source = (SOURCE_LIVE, run.iteration)
-                    continue
-                if decision is Decision.STOP:
-                    break
-                raise
+                if decision is Decision.GIVE_UP:
+                    raise
+                # Not raised again. Dropped here, outside this block its traceback is freed: its
+                # frames hold the model and through it the process groups, and a reform must be
+                # able to close those (see reform.teardown).
+                run.reported = None
+            if decision is Decision.STOP:
+                break
+            if decision is Decision.REATTEMPT:
+                # Same iteration again: its data follows from the iteration number.
+                trainer.discard_step()
+                run.source = (SOURCE_LIVE, run.iteration)
+                continue
+            if decision is Decision.REFORM:
+                assert run.pending_reform is not None
+                # A step that failed before the update leaves the state as it was: the captured
+                # state drops its partial gradients and the iteration is redone.
+                trainer = apply_reform(run, trainer, run.pending_reform, keep_state=trainer.step_is_redoable)
+                continue
             run.iteration = result.iteration
             report = node_service_pb2.IterationReport(
                 job_id=config.job_id,
-                generation=config.generation,
-                rank=config.rank,
+                generation=run.generation,
+                rank=run.rank,
                 iteration=result.iteration,
                 loss=result.loss,
                 seconds=result.seconds,
@@ -336,6 +451,60 @@ def train(run: Run, log: logging.Logger) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def apply_reform(
+    run: Run, trainer: GPTTrainer, reform: trainer_service_pb2.AgentReform, keep_state: bool
+) -> GPTTrainer:
+    """Moves this rank to the new process group of ``reform`` and returns its new trainer
+    (``trainer`` is closed). Raises when the new group cannot be formed: the rank then fails
+    as after any error, and the agent restarts it."""
+    from services.trainer import reform as reforming
+
+    log = logging.getLogger("trainer")
+    config = run.config
+    run.pending_reform = None
+    log.info(
+        "reforming into a new process group",
+        extra={
+            "incident": reform.incident_id,
+            "iteration": trainer.iteration,
+            "generation": reform.generation,
+            "rank": reform.rank,
+            "world_size": reform.world_size,
+            "keep_state": keep_state,
+        },
+    )
+    started = time.monotonic()
+    new, restored = reforming.reform(
+        trainer,
+        reform.rank,
+        reform.world_size,
+        reform.master_addr or config.master_addr,
+        reform.master_port,
+        timedelta(seconds=config.collective_timeout_s),
+        keep_state=keep_state,
+        checkpoint_dir=config.checkpoint_dir,
+        corrupt_transfer=config.corrupt_peer_state and run.injector.enabled,
+    )
+    if run.injector.enabled:
+        new.grad_sync_hook = run.injector.in_grad_sync
+    run.generation, run.rank, run.world_size = reform.generation, reform.rank, reform.world_size
+    run.iteration = new.iteration
+    run.source = (restored.source, restored.iteration)
+    log.info(
+        "reformed",
+        extra={
+            "generation": run.generation,
+            "rank": run.rank,
+            "world_size": run.world_size,
+            "data_parallel": new.data_parallel_size,
+            "state_source": restored.source,
+            "iteration": restored.iteration,
+            "seconds": round(time.monotonic() - started, 3),
+        },
+    )
+    return new
 
 
 if __name__ == "__main__":

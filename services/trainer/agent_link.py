@@ -23,6 +23,10 @@ def _ignore_reattempt(incident_id: str) -> None:
     log.warning("agent asked to reattempt, but this trainer does not reattempt", extra={"incident": incident_id})
 
 
+def _ignore_reform(reform: pb.AgentReform) -> None:
+    log.warning("agent asked to reform, but this trainer does not reform", extra={"incident": reform.incident_id})
+
+
 @dataclass(frozen=True)
 class LinkCallbacks:
     on_stop: Callable[[str], None]
@@ -31,6 +35,9 @@ class LinkCallbacks:
     on_lost: Callable[[str], None]
     # The agent's answer to a reported reattemptable error: redo the interrupted iteration.
     on_reattempt: Callable[[str], None] = _ignore_reattempt
+    # Leave the process group for a new one, keeping the training state (at the next iteration
+    # boundary, or as the answer to a reported error).
+    on_reform: Callable[[pb.AgentReform], None] = _ignore_reform
 
 
 class AgentLink:
@@ -76,6 +83,18 @@ class AgentLink:
                 elif kind == "reattempt":
                     log.info("agent asked to reattempt", extra={"incident": response.reattempt.incident_id})
                     self._callbacks.on_reattempt(response.reattempt.incident_id)
+                elif kind == "reform":
+                    reform = response.reform
+                    log.info(
+                        "agent asked to reform",
+                        extra={
+                            "incident": reform.incident_id,
+                            "generation": reform.generation,
+                            "rank": reform.rank,
+                            "world_size": reform.world_size,
+                        },
+                    )
+                    self._callbacks.on_reform(reform)
                 elif kind == "rejected":
                     log.warning(
                         "agent rejected a message",

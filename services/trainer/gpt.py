@@ -2,7 +2,9 @@
 
 The caller owns the process: it initializes ``torch.distributed`` (gloo on CPU, NCCL on CUDA)
 before building a ``GPTTrainer`` and destroys the process group after ``close()``. On CUDA it
-also picks this rank's GPU (``torch.cuda.set_device``) first.
+also picks this rank's GPU (``torch.cuda.set_device``) first. To move a rank to another process
+group in the same process, ``release()`` the trainer (not just ``close()``), destroy the group,
+join the new one and build a new ``GPTTrainer``; services/trainer/reform.py does that.
 
 Data is synthetic: sample ``g`` is a function of ``(seed, g)`` only. Iteration ``i`` consumes
 global samples ``[i*G, (i+1)*G)`` (``G`` = global batch size). Data-parallel rank ``r`` of ``D``
@@ -22,6 +24,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import numpy as np
@@ -168,7 +171,11 @@ class GPTTrainer:
         tensor_parallel: int = 1,
         pipeline_parallel: int = 1,
         device: str = "cpu",
+        timeout: timedelta | None = None,
     ) -> None:
+        """``timeout``: of the collectives in Megatron's model- and data-parallel groups (the
+        gradient all-reduce runs in those); None keeps Megatron's default of 30 minutes. Pass
+        the timeout the default process group was created with."""
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed must be initialized before GPTTrainer")
         if parallel_state.model_parallel_is_initialized():
@@ -181,6 +188,7 @@ class GPTTrainer:
         self._num_microbatches = train.global_batch_size // (train.micro_batch_size * self._dp)
         self._tp = tensor_parallel
         self._pp = pipeline_parallel
+        self._timeout = timeout
         self._iteration = 0
         # Set once the optimizer began updating parameters in the current step: from then on
         # the step cannot be redone without applying (part of) its update twice.
@@ -193,7 +201,10 @@ class GPTTrainer:
             self._build(tensor_parallel, pipeline_parallel)
 
     def _build(self, tp: int, pp: int) -> None:
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        timeouts = {} if self._timeout is None else {"distributed_timeout_minutes": self._timeout.total_seconds() / 60}
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, **timeouts
+        )
         torch.manual_seed(self.train_config.seed)
         tensor_parallel.model_parallel_cuda_manual_seed(self.train_config.seed)
         config = self._transformer_config(tp, pp)
@@ -250,6 +261,16 @@ class GPTTrainer:
     @property
     def iteration(self) -> int:
         return self._iteration
+
+    @property
+    def timeout(self) -> timedelta | None:
+        """The collective timeout of Megatron's groups given at construction (None: default)."""
+        return self._timeout
+
+    @property
+    def device(self) -> str:
+        """The device this trainer was built for ("cpu" or "cuda")."""
+        return self._device
 
     @property
     def data_parallel_size(self) -> int:
@@ -394,6 +415,16 @@ class GPTTrainer:
             return
         self._closed = True
         parallel_state.destroy_model_parallel()
+
+    def release(self) -> None:
+        """``close()`` and drop the model and optimizer, which hold Megatron's process groups:
+        a gloo group closes its connections only when its last reference is gone, and until
+        then a peer blocked in a collective with this rank stays blocked (until the timeout)
+        even after ``dist.destroy_process_group()``. The configuration stays readable. The
+        model and its config refer to each other (and to this trainer's methods), so the groups
+        go with the next ``gc.collect()``."""
+        self.close()
+        del self.model, self.optimizer
 
 
 def _check_layout(model: ModelConfig, train: TrainConfig, tp: int, pp: int) -> int:

@@ -14,7 +14,7 @@ from services.coordinator.coordinator import Coordinator, Settings
 from services.coordinator.planner_client import PlannerClient
 from services.coordinator.store import Store
 from tests.integration.conftest import ControlPlane, FakeClock, start_planner
-from tests.integration.test_scheduling import exit_report, report_iteration, scheduled_job
+from tests.integration.test_scheduling import commands_for, exit_report, report_exit, report_iteration, scheduled_job
 from unicron import redisutil
 from unicron.v1 import common_pb2, node_service_pb2
 
@@ -70,7 +70,7 @@ def test_a_planner_outage_keeps_the_job_and_retries_with_backoff(control_plane: 
 
 def test_cancel_during_a_transition_stops_every_worker(control_plane: ControlPlane) -> None:
     job, _ = scheduled_job(control_plane)
-    control_plane.node_stub().ReportWorkerExit(exit_report(job, 1), timeout=5)
+    report_exit(control_plane, exit_report(job, 1))
     with control_plane.client() as client:
         assert client.get(job.job_id).state == common_pb2.JOB_STATE_RECOVERING
         cancelled = client.cancel(job.job_id, "changed my mind")
@@ -133,6 +133,8 @@ def test_a_killed_redis_comes_back_with_everything(tmp_path: Path, clock: FakeCl
                 node_id="n1", job_id=job.job_id, generation=1, rank=0, exit_code=1, error="boom"
             )
         )
+        clock.advance(0.5)  # the hold for the peers' reports
+        coordinator.reconcile_once()
         before = coordinator.get(job.job_id)
         incidents_before = coordinator.list_incidents(job.job_id)
         commands_before = coordinator.store.read_commands("n1", "0-0", block_ms=0)
@@ -206,7 +208,7 @@ def test_a_network_error_waits_briefly_for_the_failure_that_explains_it(
     stub.ReportFailure(reset_report(job, survivor.ranks[0], survivor.node_id, clock()), timeout=5)
     with control_plane.client() as client:
         assert not client.get(job.job_id).remedies  # held: the dead rank's exit may be on its way
-    stub.ReportWorkerExit(exit_report(job, 1, code=-9), timeout=5)
+    report_exit(control_plane, exit_report(job, 1, code=-9))
     with control_plane.client() as client:
         after = client.get(job.job_id)
     assert [a.remedy for a in after.remedies] == [common_pb2.REMEDY_RESTART]
@@ -225,3 +227,28 @@ def test_a_network_error_alone_is_reattempted_after_the_hold(control_plane: Cont
         after = client.get(job.job_id)
     assert [a.remedy for a in after.remedies] == [common_pb2.REMEDY_REATTEMPT]
     assert after.assignment.generation == 1 and after.state == common_pb2.JOB_STATE_RECOVERING
+
+
+def test_a_dead_rank_whose_peers_wait_is_restarted_alone_with_their_state(
+    control_plane: ControlPlane, clock: FakeClock
+) -> None:
+    job, cursors = scheduled_job(control_plane)
+    stub = control_plane.node_stub()
+    victim_node = job.assignment.workers[1]
+    victim = victim_node.ranks[0]
+    for worker in job.assignment.workers:
+        for rank in worker.ranks:
+            if rank != victim:
+                stub.ReportFailure(reset_report(job, rank, worker.node_id, clock()), timeout=5)
+    request = exit_report(job, 1, code=1)
+    request.node_id, request.rank = victim_node.node_id, victim
+    stub.ReportWorkerExit(request, timeout=5)
+    with control_plane.client() as client:
+        after = client.get(job.job_id)
+    assert [a.remedy for a in after.remedies] == [common_pb2.REMEDY_RESTART]
+    assert after.assignment.generation == 2 and after.state == common_pb2.JOB_STATE_RECOVERING
+    survivors = {r: r for w in job.assignment.workers for r in w.ranks if r != victim}
+    for worker in job.assignment.workers:
+        _start, reform = commands_for(control_plane, worker.node_id, cursors[worker.node_id], 2)
+        assert reform.reform.from_generation == 1 and reform.reform.assignment.generation == 2
+        assert dict(reform.reform.rank_map) == survivors

@@ -180,6 +180,7 @@ def test_incidents_show_remedy_transition_and_cost(
     )
     resumed.first_seen.FromNanoseconds(int(99.75e9))
     resumed.detected.FromNanoseconds(int(100e9))
+    resumed.resumed.FromNanoseconds(int(107.5e9))
     pending = common_pb2.Incident(incident_id="inc-2", kind=common_pb2.FAILURE_KIND_NODE_LOST)
     fake(monkeypatch, incidents_reply=[resumed, pending])
     code, out, _ = run(capsys, "incidents")

@@ -128,3 +128,33 @@ def test_used_slots_counts_active_jobs_only() -> None:
     ended = common_pb2.Job(job_id="y", state=state.FAILED)
     ended.assignment.workers.add(node_id="a", ranks=[0])
     assert decide.used_slots([active, ended]) == {"a": 2}
+
+
+def placed(job_id: str, generation: int, **ranks: list[int]) -> common_pb2.Job:
+    job = common_pb2.Job(job_id=job_id, spec=spec(), state=state.RUNNING)
+    job.assignment.generation = generation
+    for node_id, node_ranks in ranks.items():
+        job.assignment.workers.add(node_id=node_id, ranks=node_ranks)
+    job.assignment.world_size = sum(len(r) for r in ranks.values())
+    return job
+
+
+@pytest.mark.parametrize(
+    ("waiting", "gone", "expected"),
+    [
+        ({0, 1, 3}, {2}, {0: 0, 1: 1, 3: 3}),  # rank 2 died, its peers wait: keep them
+        ({0, 1}, {2}, None),  # rank 3 neither waits nor died: it may sit in a collective
+        ({0, 1, 2, 3}, set(), None),  # nobody died: a reattempt's business
+        (set(), {0, 1, 2, 3}, None),  # nobody left to share the state
+    ],
+)
+def test_survivor_map(waiting: set[int], gone: set[int], expected: dict[int, int] | None) -> None:
+    job = placed("j", 1, a=[0, 1], b=[2, 3])
+    new = placed("j", 2, a=[0, 1], b=[2, 3]).assignment
+    assert decide.survivor_map(job, new, waiting, gone) == expected
+
+
+def test_survivor_map_needs_whole_model_ranks() -> None:
+    job = placed("j", 1, a=[0, 1], b=[2, 3])
+    job.spec.parallelism.tensor = 2
+    assert decide.survivor_map(job, job.assignment, {0, 1, 3}, {2}) is None

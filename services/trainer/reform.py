@@ -1,0 +1,352 @@
+"""Moving a rank to a new process group without restarting it (DESIGN.md section 4).
+
+The agent's ``reform`` answer (``AgentReform``: new generation, rank, world size and rendezvous)
+serves both a reattempt with the same members on a fresh rendezvous and a resize of the
+data-parallel degree. This module is the core of it, free of gRPC so tests can drive it
+directly; ``services/trainer/__main__.py`` decides when to call it.
+
+``reform()`` on a rank that keeps its state:
+
+1. ``capture()``: the rank's training state (``GPTTrainer.state_dict()``: iteration, model slice,
+   optimizer state) serialized with ``torch.save`` into bytes, a copy independent of the
+   trainer, and the sha256 of those bytes;
+2. ``teardown()``: Megatron's parallel state (``GPTTrainer.close()``) and the whole
+   ``torch.distributed`` world (``dist.destroy_process_group()``). With gloo this does not hang
+   on a broken group: destroying only closes this process's sockets and joins its gloo worker
+   threads, which are idle unless a collective is still in flight, and a collective in flight
+   ends at the latest at the group's timeout (measured: 0.01-0.03 s with a dead peer, a dead
+   store host, or after a hung peer's collective timed out). Note that
+   ``_abort_process_group`` does *not* interrupt a gloo collective blocked on a hung peer (it
+   only forgets the group), so nothing faster than the collective timeout exists on gloo;
+3. ``join()``: ``init_process_group`` on ``tcp://master_addr:master_port`` with the new rank and
+   world size, the same backend and collective timeout, then a fresh ``GPTTrainer`` with the old
+   one's model/training configuration and TP/PP (the DP degree follows from the new world);
+4. ``exchange_state()``: every rank of the new group, with or without state, takes part.
+
+``exchange_state()`` (collective over the new world; ``receive_state()`` is the call of a rank
+without state, e.g. a new process started for a grow):
+
+* one ``all_gather`` of a 3-integer tensor per rank: (iteration of the state it holds, or -1;
+  tensor-parallel rank; pipeline-parallel rank). Every rank computes the same plan from it: the
+  *target* iteration is the newest one held; per (TP, PP) shard the *source* is the lowest rank
+  holding state at the target iteration; every other rank of that shard (no state, or older
+  state) receives. A shard without any holder at the target makes the plan fail for everyone;
+* transfer, inside each data-parallel group that has a receiver (Megatron's DP group is exactly
+  the ranks holding the same shard, so groups of different shards proceed concurrently): the
+  source broadcasts a 40-byte header (payload length and sha256) and then the payload, both
+  as uint8 tensors. Tensors rather than ``broadcast_object_list``: the payload's checksum is
+  then taken over exactly the bytes on the wire and verified *before* anything is decoded
+  (an object broadcast unpickles first, and unpickling untrusted or corrupt bytes can do
+  anything); decoding uses ``torch.load(weights_only=True)``, as checkpoints do;
+* verdict: every rank checks what it is about to load (its own snapshot or the received bytes:
+  sha256, decodable, the target iteration, fits its model), and one ``all_reduce(MIN)`` of a
+  0/1 flag makes the verdict common. Only then does any rank load, so a failed transfer leaves
+  every trainer untouched;
+* on a failed verdict every rank, live ones included (the replicas must stay identical), falls
+  back to the persistent checkpoint (``checkpoint.restore``, collective, which itself falls
+  back to fresh) or, without a checkpoint directory, to the fresh model. One attempt, never a
+  loop; the returned source says which it was.
+
+The result's source is ``live`` for a rank that kept its own state, ``peer`` for one that
+received it, or the checkpoint module's ``checkpoint`` / ``fresh`` after a fallback, with the
+iteration the state was at. The rank continues from that iteration: the data position follows
+from it, and ``GPTTrainer`` re-splits the global batch over the new DP degree.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import io
+import logging
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from services.trainer import checkpoint
+from services.trainer.gpt import GPTTrainer
+
+# isort: split
+from megatron.core import parallel_state
+
+log = logging.getLogger(__name__)
+
+SOURCE_LIVE = "live"
+SOURCE_PEER = "peer"
+NO_STATE = -1
+_HEADER_BYTES = 8 + 32  # payload length (little-endian uint64) + sha256 digest
+
+
+class StateError(Exception):
+    """Transferred or captured state that must not be used, and why."""
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A rank's training state at ``iteration``, serialized, with the sha256 of ``data``."""
+
+    iteration: int
+    data: bytes
+    sha256: str
+
+    def verify(self) -> None:
+        """Raises StateError unless ``data`` still has the checksum taken at capture."""
+        digest = hashlib.sha256(self.data).hexdigest()
+        if digest != self.sha256:
+            raise StateError(
+                f"state of iteration {self.iteration} is corrupt: sha256 {digest[:12]}.. "
+                f"({len(self.data)} bytes), expected {self.sha256[:12]}.."
+            )
+
+    def decode(self) -> dict[str, Any]:
+        """The verified state as ``GPTTrainer.load_state_dict`` takes it; StateError otherwise."""
+        self.verify()
+        try:
+            state = torch.load(io.BytesIO(self.data), map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - any decoding failure makes the state unusable
+            raise StateError(f"state cannot be decoded: {exc}") from None
+        if not isinstance(state, dict) or not {"iteration", "model", "optimizer"} <= state.keys():
+            raise StateError("state holds no iteration, model and optimizer")
+        if state["iteration"] != self.iteration:
+            raise StateError(f"state is of iteration {state['iteration']}, expected {self.iteration}")
+        return state
+
+
+def snapshot_of(state: dict[str, Any]) -> Snapshot:
+    """Serializes ``state`` (iteration, model, optimizer) into a Snapshot."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    data = buffer.getvalue()
+    return Snapshot(int(state["iteration"]), data, hashlib.sha256(data).hexdigest())
+
+
+def capture(trainer: GPTTrainer) -> Snapshot:
+    """A copy of ``trainer``'s state that outlives the trainer and its process group."""
+    return snapshot_of(trainer.state_dict())
+
+
+def _forget_megatron_groups() -> None:
+    """Drops the process groups Megatron's parallel state still refers to after
+    ``destroy_model_parallel()`` (0.16 leaves e.g. ``_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP``
+    set). Every such global is None before ``initialize_model_parallel`` sets it again."""
+    group_type = dist.ProcessGroup
+    for name, value in list(vars(parallel_state).items()):
+        if not name.startswith("_"):
+            continue
+        if isinstance(value, group_type) or (
+            isinstance(value, list | tuple) and value and all(isinstance(v, group_type) for v in value)
+        ):
+            setattr(parallel_state, name, None)
+
+
+def teardown(trainer: GPTTrainer | None) -> str:
+    """Destroys Megatron's parallel state and the whole torch.distributed world, releasing
+    ``trainer``'s model and optimizer (see the module docstring on why this does not hang with
+    gloo). Returns the backend that was in use.
+
+    A gloo group closes its connections only when the last reference to it is gone; peers
+    blocked in a collective with this rank notice the closed connections at once and fail
+    (otherwise they would wait for the collective timeout). So every reference is dropped: the
+    trainer's model and optimizer, Megatron's leftover globals, then a garbage collection for
+    the reference cycles between the model, its config and the trainer."""
+    backend = str(dist.get_backend()) if dist.is_initialized() else ""
+    if trainer is not None:
+        trainer.release()
+    elif parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    _forget_megatron_groups()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
+    return backend
+
+
+def join(
+    rank: int, world_size: int, master_addr: str, master_port: int, timeout: timedelta | float, backend: str = ""
+) -> None:
+    """``init_process_group`` of a new group (blocks until all ``world_size`` ranks arrive or
+    ``timeout`` passes)."""
+    if not isinstance(timeout, timedelta):
+        timeout = timedelta(seconds=timeout)
+    dist.init_process_group(
+        backend=backend or ("nccl" if torch.cuda.is_available() else "gloo"),
+        init_method=f"tcp://{master_addr}:{master_port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+    )
+
+
+def rebuild(old: GPTTrainer, timeout: timedelta | None = None) -> GPTTrainer:
+    """A fresh trainer with ``old``'s configuration (and collective timeout, unless given) on
+    the current process group."""
+    return GPTTrainer(
+        old.model_config,
+        old.train_config,
+        tensor_parallel=old.tensor_parallel,
+        pipeline_parallel=old.pipeline_parallel,
+        device=old.device,
+        timeout=timeout or old.timeout,
+    )
+
+
+def reform(
+    trainer: GPTTrainer,
+    new_rank: int,
+    new_world: int,
+    master_addr: str,
+    master_port: int,
+    timeout: timedelta | float,
+    *,
+    keep_state: bool = True,
+    checkpoint_dir: str = "",
+    corrupt_transfer: bool = False,
+) -> tuple[GPTTrainer, checkpoint.Restored]:
+    """Moves this rank from its process group to a new one and returns the new trainer and
+    where its state came from. ``trainer`` is released (closed, without model and optimizer).
+    ``keep_state=False`` (its state is not consistent, e.g. a step failed halfway through the
+    update) makes it a receiver. ``timeout``: of the new group and of Megatron's groups in it."""
+    if not isinstance(timeout, timedelta):
+        timeout = timedelta(seconds=timeout)
+    snapshot = capture(trainer) if keep_state else None
+    backend = teardown(trainer)
+    log.info(
+        "joining a new process group",
+        extra={"rank": new_rank, "world_size": new_world, "master": f"{master_addr}:{master_port}"},
+    )
+    join(new_rank, new_world, master_addr, master_port, timeout, backend)
+    new = rebuild(trainer, timeout)
+    restored = exchange_state(new, snapshot, checkpoint_dir, corrupt_transfer=corrupt_transfer)
+    return new, restored
+
+
+def receive_state(trainer: GPTTrainer, checkpoint_dir: str = "") -> checkpoint.Restored:
+    """The part of a rank without state in ``exchange_state`` (collective)."""
+    return exchange_state(trainer, None, checkpoint_dir)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Who holds what after the flag exchange; identical on every rank."""
+
+    target: int  # iteration every rank continues from; NO_STATE when nobody holds state
+    sources: dict[tuple[int, int], int]  # shard -> global rank that sends it
+    receivers: dict[tuple[int, int], list[int]]  # shard -> global ranks that receive it
+    problem: str = ""  # non-empty: the peers cannot supply the state
+
+
+def make_plan(table: list[tuple[int, int, int]]) -> Plan:
+    """The plan from every rank's (iteration held or NO_STATE, tp rank, pp rank), by global rank."""
+    held = [it for it, _, _ in table if it != NO_STATE]
+    if not held:
+        return Plan(NO_STATE, {}, {}, "no rank holds state")
+    target = max(held)
+    sources: dict[tuple[int, int], int] = {}
+    receivers: dict[tuple[int, int], list[int]] = {}
+    for rank, (it, tp, pp) in enumerate(table):
+        shard = (tp, pp)
+        if it == target and shard not in sources:
+            sources[shard] = rank
+        elif it != target:
+            receivers.setdefault(shard, []).append(rank)
+    missing = sorted(shard for shard in receivers if shard not in sources)
+    if missing:
+        return Plan(target, sources, receivers, f"no rank holds shard(s) {missing} at iteration {target}")
+    return Plan(target, sources, receivers)
+
+
+def _device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _gather_table(iteration: int, shard: tuple[int, int]) -> list[tuple[int, int, int]]:
+    mine = torch.tensor([iteration, *shard], dtype=torch.int64, device=_device())
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    return [(int(t[0]), int(t[1]), int(t[2])) for t in everyone]
+
+
+def _broadcast_snapshot(snapshot: Snapshot | None, src: int, iteration: int, corrupt: bool = False) -> Snapshot:
+    """Broadcasts ``snapshot`` from global rank ``src`` over this rank's data-parallel group;
+    every member returns what it received (the source: what it sent). ``corrupt`` flips one
+    byte of the payload after the checksum was taken (tests of the fallback)."""
+    group = parallel_state.get_data_parallel_group()
+    device = _device()
+    header = torch.zeros(_HEADER_BYTES, dtype=torch.uint8, device=device)
+    payload: bytes = b""
+    if dist.get_rank() == src:
+        assert snapshot is not None
+        payload = snapshot.data
+        if corrupt:
+            flipped = bytearray(payload)
+            flipped[len(flipped) // 2] ^= 0xFF
+            payload = bytes(flipped)
+            log.warning("corrupting the state sent to peers (fault injection)")
+        raw = len(payload).to_bytes(8, "little") + bytes.fromhex(snapshot.sha256)
+        header.copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+    dist.broadcast(header, src=src, group=group)
+    raw = header.cpu().numpy().tobytes()
+    size, digest = int.from_bytes(raw[:8], "little"), raw[8:].hex()
+    if dist.get_rank() == src:
+        body = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
+    else:
+        body = torch.empty(size, dtype=torch.uint8, device=device)
+    dist.broadcast(body, src=src, group=group)
+    if dist.get_rank() == src:
+        assert snapshot is not None
+        return snapshot
+    return Snapshot(iteration, body.cpu().numpy().tobytes(), digest)
+
+
+def exchange_state(
+    trainer: GPTTrainer, snapshot: Snapshot | None, checkpoint_dir: str = "", corrupt_transfer: bool = False
+) -> checkpoint.Restored:
+    """Collective over the current world: makes every rank's ``trainer`` hold the newest state
+    any rank holds (see the module docstring) and returns where this rank's came from."""
+    rank = dist.get_rank()
+    table = _gather_table(NO_STATE if snapshot is None else snapshot.iteration, trainer.shard)
+    plan = make_plan(table)
+    shard = trainer.shard
+    state: dict[str, Any] | None = None
+    source = SOURCE_LIVE
+    problem = plan.problem
+    if not problem:
+        if plan.receivers.get(shard):
+            src = plan.sources[shard]
+            received = _broadcast_snapshot(
+                snapshot if rank == src else None, src, plan.target, corrupt=corrupt_transfer and rank == src
+            )
+            if rank in plan.receivers[shard]:
+                snapshot, source = received, SOURCE_PEER
+        try:
+            if snapshot is None or snapshot.iteration != plan.target:  # cannot happen by the plan
+                raise StateError(f"no state of iteration {plan.target} here")
+            state = snapshot.decode()
+            checkpoint._fits(trainer.state_dict())(state)
+        except (StateError, checkpoint.CheckpointError) as exc:
+            problem = f"rank {rank}: {exc}"
+            log.error("%s state is unusable: %s", source, exc)
+            state = None
+    ok = torch.tensor([0 if problem else 1], dtype=torch.int32, device=_device())
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    if int(ok.item()) == 1 and state is not None:
+        trainer.load_state_dict(state)
+        if source == SOURCE_PEER:
+            log.info(
+                "state received from a peer",
+                extra={"iteration": plan.target, "peer": plan.sources[shard], "sha256": snapshot and snapshot.sha256},
+            )
+        return checkpoint.Restored(source, plan.target)
+    log.warning(
+        "the state cannot come from live peers (%s); falling back to %s",
+        problem or "another rank's state is unusable",
+        "the persistent checkpoint" if checkpoint_dir else "a fresh model (no checkpoint directory)",
+    )
+    if checkpoint_dir:
+        return checkpoint.restore(trainer, checkpoint_dir)
+    return checkpoint.Restored(checkpoint.SOURCE_FRESH, 0)
