@@ -193,8 +193,28 @@ def print_job(job: common_pb2.Job, out: TextIO) -> None:
             f"{progress.iteration_seconds:.2f}s/it, {progress.flops_per_second / 1e9:.2f} GFLOP/s, "
             f"{progress.tokens} tokens\n"
         )
+    states = {w.node_id: w.state for w in job.workers if w.generation == job.assignment.generation}
     for worker in job.assignment.workers:
-        out.write(f"placement  {worker.node_id}: ranks {', '.join(map(str, worker.ranks))}\n")
+        status = (
+            common_pb2.WorkerState.Name(states[worker.node_id]).removeprefix("WORKER_STATE_").lower()
+            if (worker.node_id in states)
+            else ""
+        )
+        out.write(
+            f"placement  {worker.node_id}: ranks {', '.join(map(str, worker.ranks))}"
+            + (f" ({status}, generation {job.assignment.generation})" if status else "")
+            + "\n"
+        )
+    if job.remedies:
+        out.write("remedies\n")
+        for attempt in job.remedies:
+            stamp = time.strftime("%H:%M:%S", time.localtime(attempt.started.ToNanoseconds() / 1e9))
+            took = (
+                f"resumed after {(attempt.resumed.ToNanoseconds() - attempt.started.ToNanoseconds()) / 1e9:.1f}s"
+                if attempt.HasField("resumed")
+                else "not resumed"
+            )
+            out.write(f"  {stamp}  {remedy_name(attempt.remedy):<11} {attempt.incident_id}  {took}: {attempt.reason}\n")
     out.write("history\n")
     for change in job.history:
         stamp = time.strftime("%H:%M:%S", time.localtime(change.time.ToNanoseconds() / 1e9))

@@ -191,3 +191,23 @@ def test_incidents_show_remedy_transition_and_cost(
     assert first.split()[-5:] == ["restarted", "restart", "7.50s", "24.2", "GFLOP"]
     assert "0.25s" in first.split()
     assert second.split()[-3:] == ["-", "-", "-"]
+
+
+def test_get_shows_worker_states_and_remedies() -> None:
+    import io
+
+    job = common_pb2.Job(job_id="job-1", state=common_pb2.JOB_STATE_RUNNING, reason="training resumed")
+    job.spec.name = "gpt"
+    job.assignment.generation = 2
+    job.assignment.workers.add(node_id="n1", ranks=[0, 1])
+    job.workers.add(node_id="n1", generation=2, state=common_pb2.WORKER_STATE_RUNNING)
+    attempt = job.remedies.add(
+        incident_id="inc-1", remedy=common_pb2.REMEDY_RESTART, reason="process_exit calls for restart process"
+    )
+    attempt.started.FromSeconds(100)
+    attempt.resumed.FromNanoseconds(int(103.5e9))
+    out = io.StringIO()
+    cli.print_job(job, out)
+    text = out.getvalue()
+    assert "placement  n1: ranks 0, 1 (running, generation 2)" in text
+    assert "restart     inc-1  resumed after 3.5s: process_exit calls for restart process" in text
