@@ -30,13 +30,13 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import psutil
 
+from bench.common import log, percentile, stamp_seconds
 from unicron.client import UnicronClient
 from unicron.faults import parse_fault
 from unicron.localcluster import LocalCluster, tiny_gpt
@@ -83,16 +83,6 @@ HEARTBEAT_TIMEOUT_S = 3.0
 
 
 # ---- pure parts (unit-tested) -----------------------------------------------------------
-
-
-def percentile(values: Iterable[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default); NaN when empty."""
-    ordered = sorted(values)
-    if not ordered:
-        return math.nan
-    pos = (len(ordered) - 1) * q
-    low, high = math.floor(pos), math.ceil(pos)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
 
 
 def fault_text(kind: str, index: int) -> str:
@@ -345,14 +335,6 @@ def format_table(report: dict[str, Any]) -> str:
 # ---- the measurement -----------------------------------------------------------------
 
 
-def _seconds(stamp: Any) -> float:
-    return float(stamp.ToNanoseconds()) / 1e9
-
-
-def _log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
 def small_spec(name: str, iterations: int = 100_000) -> pb.JobSpec:
     """The e2e tests' tiny GPT: two data-parallel ranks, iterations of ~0.05-0.1 s on CPU."""
     return tiny_gpt(name, data=2, iterations=iterations)
@@ -496,7 +478,7 @@ class DetectionBench:
             self.client.cancel(job_id, "bench: measured")
         _, alive = psutil.wait_procs(procs, timeout=20)
         for proc in alive:  # a trainer orphaned by a killed agent that did not stop: ours to end
-            _log(f"killing leftover trainer {proc.pid} of {job_id}")
+            log(f"killing leftover trainer {proc.pid} of {job_id}")
             try:
                 proc.kill()
             except psutil.NoSuchProcess:
@@ -508,7 +490,7 @@ class DetectionBench:
         deadline = time.monotonic() + timeout_s
         for event in self.client.watch(job_id, after_event_id="0"):
             if event.type == pb.JOB_EVENT_TYPE_FAULT_INJECTED:
-                return _seconds(event.time)
+                return stamp_seconds(event.time)
             if time.monotonic() > deadline:  # a running job streams progress, so this is reached
                 break
         return None
@@ -568,7 +550,7 @@ class DetectionBench:
             return [
                 i
                 for i in incidents
-                if _seconds(i.detected) >= injected_at and (i.kind == pb.FAILURE_KIND_STRAGGLER) == want_straggler
+                if stamp_seconds(i.detected) >= injected_at and (i.kind == pb.FAILURE_KIND_STRAGGLER) == want_straggler
             ]
 
         # A lost node is classified when its heartbeat times out; a peer's connection reset may
@@ -587,7 +569,8 @@ class DetectionBench:
                 # What was found instead (e.g. a straggler flagged before the injection, which
                 # the monitor does not report again) explains the miss.
                 sample.other_incidents += [
-                    ("before injection: " if _seconds(i.detected) < injected_at else "") + pb.FailureKind.Name(i.kind)
+                    ("before injection: " if stamp_seconds(i.detected) < injected_at else "")
+                    + pb.FailureKind.Name(i.kind)
                     for i in self.client.incidents(job_id)
                 ]
                 return
@@ -601,15 +584,15 @@ class DetectionBench:
         incidents = self.client.incidents(job_id)
         found = relevant(incidents)
         matching = _matching(found, expected, fault)
-        chosen = matching[0][0] if matching else min(found, key=lambda i: _seconds(i.detected))
+        chosen = matching[0][0] if matching else min(found, key=lambda i: stamp_seconds(i.detected))
         sample.root_kind = pb.FailureKind.Name(chosen.kind)
         sample.correct = chosen.kind == expected and (not want_straggler or chosen.reports[0].rank == fault.rank)
-        sample.detected_s = round(_seconds(chosen.detected) - fired, 4)
+        sample.detected_s = round(stamp_seconds(chosen.detected) - fired, 4)
         if matching:
-            sample.latency_s = round(_seconds(matching[0][1].received) - fired, 4)
+            sample.latency_s = round(stamp_seconds(matching[0][1].received) - fired, 4)
         else:  # misclassified: the coordinator held a report, with the wrong root cause
             root = next(r for r in chosen.reports if r.kind == chosen.kind)
-            sample.latency_s = round(_seconds(root.received) - fired, 4)
+            sample.latency_s = round(stamp_seconds(root.received) - fired, 4)
         means = [r.statistics["mean_s"] for r in chosen.reports if "mean_s" in r.statistics]
         sample.mean_iteration_s = round(means[0], 4) if means else None
         others = [i for i in incidents if i.incident_id != chosen.incident_id]
@@ -646,7 +629,7 @@ class DetectionBench:
         iterations = 0
         ended = 0
         try:
-            _log(f"quiet run: {minutes:g} min, CPU hog pid {hog.pid}")
+            log(f"quiet run: {minutes:g} min, CPU hog pid {hog.pid}")
             # A job's warm-up takes ~5-30 s here: no new job in the window's last 15 s.
             while not jobs or deadline - time.monotonic() > 15:
                 try:
@@ -671,7 +654,7 @@ class DetectionBench:
         found = [
             i
             for i in self.client.incidents("")
-            if i.job_id in jobs or (not i.job_id and _seconds(i.detected) >= started)
+            if i.job_id in jobs or (not i.job_id and stamp_seconds(i.detected) >= started)
         ]
         # A straggler report is a performance observation, and under the hog it is a true one:
         # the rank that shares its core really computes slower. It is counted apart; every
@@ -702,7 +685,7 @@ def _matching(
         for report in incident.reports
         if report.kind == expected and (expected != pb.FAILURE_KIND_STRAGGLER or report.rank == fault.rank)
     ]
-    return sorted(pairs, key=lambda pair: _seconds(pair[1].received))
+    return sorted(pairs, key=lambda pair: stamp_seconds(pair[1].received))
 
 
 def iteration_times(client: UnicronClient, job_id: str, skip: int, count: int) -> tuple[list[float], float | None]:
@@ -717,7 +700,7 @@ def iteration_times(client: UnicronClient, job_id: str, skip: int, count: int) -
             if event.type != pb.JOB_EVENT_TYPE_PROGRESS or event.progress.iteration <= skip:
                 continue
             seconds.append(event.progress.iteration_seconds)
-            point = (_seconds(event.time), int(event.progress.iteration))
+            point = (stamp_seconds(event.time), int(event.progress.iteration))
             first = first or point
             last = point
             if len(seconds) >= count:
@@ -748,7 +731,7 @@ def measure_overhead(benches: dict[bool, DetectionBench], iterations: int, round
             seconds, wall = iteration_times(bench.client, job.job_id, skip=10, count=iterations)
         finally:
             bench.finish_job(job.job_id, procs)
-        _log(f"overhead: monitoring {'on' if monitoring else 'off'}: {len(seconds)} iterations, "
+        log(f"overhead: monitoring {'on' if monitoring else 'off'}: {len(seconds)} iterations, "
              f"mean {statistics.fmean(seconds) if seconds else math.nan:.4f}s")  # fmt: skip
         times[monitoring] += seconds
         if wall is not None:
@@ -867,7 +850,7 @@ def main(argv: list[str] | None = None) -> int:
         "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
         **_torch_timeouts(),
     }
-    _log(f"run directory {run_dir}")
+    log(f"run directory {run_dir}")
     samples: list[Sample] = []
     quiet: dict[str, Any] = {}
     overhead: dict[str, Any] = {}
@@ -892,7 +875,7 @@ def main(argv: list[str] | None = None) -> int:
                         sample.error = f"{type(exc).__name__}: {exc}"
                     samples.append(sample)
                     failures_in_a_row = failures_in_a_row + 1 if sample.error else 0
-                    _log(
+                    log(
                         f"{kind:<20} #{index + 1}: latency {sample.latency_s}s root {sample.root_kind or '-'} "
                         f"poll {sample.poll_s} {sample.error}"
                     )
@@ -900,7 +883,7 @@ def main(argv: list[str] | None = None) -> int:
                         raise RuntimeError("4 injections in a row failed; see the logs in the run directory")
             if settings.quiet_minutes > 0:
                 quiet = bench.quiet_run(settings.quiet_minutes)
-                _log(f"quiet run: {quiet['false_positives']} false positive(s)")
+                log(f"quiet run: {quiet['false_positives']} false positive(s)")
             if settings.overhead_iterations > 0:
                 off_cluster = LocalCluster(
                     run_dir / "off",
@@ -917,16 +900,16 @@ def main(argv: list[str] | None = None) -> int:
                         {True: bench, False: off_bench}, settings.overhead_iterations, settings.overhead_rounds
                     )
     except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 -- report what was measured before it broke
-        _log(f"bench aborted: {type(exc).__name__}: {exc}")
+        log(f"bench aborted: {type(exc).__name__}: {exc}")
         environment["aborted"] = f"{type(exc).__name__}: {exc}"
     finally:
         poller.stop()
         for cluster in reversed(clusters):
             leftovers = cluster.stop()
             if leftovers:
-                _log(f"processes outlived their cluster and were killed: {leftovers}")
+                log(f"processes outlived their cluster and were killed: {leftovers}")
     if args.keep_logs:
-        _log(f"logs kept in {run_dir}")
+        log(f"logs kept in {run_dir}")
     else:
         shutil.rmtree(run_dir, ignore_errors=True)
     report = build_report(

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.common import percentile
 from services.planner import domain, dp, solver
 from services.planner.domain import Job, Node, PlanRequest, ThroughputEstimate, Transition
 
@@ -149,16 +150,6 @@ def make_instance(
     return PlanRequest(tuple(node_list), tuple(jobs_list), rate, time_limit_s=time_limit_s, workers=workers)
 
 
-def _percentile(values: list[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default)."""
-    ordered = sorted(values)
-    if not ordered:
-        return math.nan
-    pos = (len(ordered) - 1) * q
-    low, high = math.floor(pos), math.ceil(pos)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
-
-
 def run_case(jobs: int, nodes: int, instances: int, *, workers: int = 1, time_limit_s: float = 10.0) -> dict[str, Any]:
     """Measures one case in this process (peak RSS is this process's)."""
     solve_s, cpu_s, dp_s, gaps, statuses, objectives, dp_objectives = [], [], [], [], [], [], []
@@ -186,16 +177,16 @@ def run_case(jobs: int, nodes: int, instances: int, *, workers: int = 1, time_li
         "instances": instances,
         "workers": workers,
         "time_limit_s": time_limit_s,
-        "solve_s_p50": round(_percentile(solve_s, 0.5), 4),
-        "solve_s_p95": round(_percentile(solve_s, 0.95), 4),
+        "solve_s_p50": round(percentile(solve_s, 0.5), 4),
+        "solve_s_p95": round(percentile(solve_s, 0.95), 4),
         "solve_s_max": round(max(solve_s), 4),
         # CPU time of the process: with one worker about the wall time on an idle machine, and
         # much less sensitive to a busy one.
-        "solve_cpu_s_p50": round(_percentile(cpu_s, 0.5), 4),
-        "solve_cpu_s_p95": round(_percentile(cpu_s, 0.95), 4),
+        "solve_cpu_s_p50": round(percentile(cpu_s, 0.5), 4),
+        "solve_cpu_s_p95": round(percentile(cpu_s, 0.95), 4),
         "gap_max": max(gaps),
         "status": statuses,
-        "dp_s_p50": round(_percentile(dp_s, 0.5), 4),
+        "dp_s_p50": round(percentile(dp_s, 0.5), 4),
         "peak_rss_mb": round(peak_kb / 1024.0, 1),  # Linux reports KiB
         "objective": objectives,
         "dp_size_only_objective": dp_objectives,

@@ -42,7 +42,8 @@ from typing import Any
 import psutil
 from google.protobuf import json_format
 
-from bench.detection import job_trainers, percentile
+from bench.common import log, percentile, stamp_seconds
+from bench.detection import job_trainers
 from unicron import jobspec
 from unicron.client import ClientError, UnicronClient
 from unicron.faults import parse_fault
@@ -405,14 +406,6 @@ def format_table(report: dict[str, Any]) -> str:
 # ---- the measurement -----------------------------------------------------------------
 
 
-def _seconds(stamp: Any) -> float:
-    return float(stamp.ToNanoseconds()) / 1e9
-
-
-def _log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
 def bench_spec(name: str, checkpoint_interval: int, data: int = DATA_PARALLEL) -> pb.JobSpec:
     """The e2e tests' tiny GPT, data-parallel 2, allowed to shrink to 1, with a measured-looking
     throughput profile (so the planner sizes it like a real job) and the given checkpoint interval."""
@@ -471,10 +464,10 @@ class UnicronSide:
             if self.client.get(job_id).state not in _TERMINAL:
                 self.client.cancel(job_id, "bench: measured")
         except ClientError as exc:
-            _log(f"cancel of {job_id}: {exc}")
+            log(f"cancel of {job_id}: {exc}")
         _, alive = psutil.wait_procs(procs, timeout=20)
         for proc in alive:
-            _log(f"killing leftover trainer {proc.pid} of {job_id}")
+            log(f"killing leftover trainer {proc.pid} of {job_id}")
             try:
                 proc.kill()
             except psutil.NoSuchProcess:
@@ -489,7 +482,7 @@ class UnicronSide:
             for item in stream:
                 kind = pb.JobEventType.Name(item.type).removeprefix("JOB_EVENT_TYPE_").lower()
                 out.append(
-                    Event(kind, _seconds(item.time), int(item.progress.iteration), item.message, item.incident_id)
+                    Event(kind, stamp_seconds(item.time), int(item.progress.iteration), item.message, item.incident_id)
                 )
                 if time.monotonic() > deadline:
                     break
@@ -524,7 +517,7 @@ class UnicronSide:
             injected_at = time.time()
             self.client.inject(job.job_id, parse_fault(sample.fault, rank))
             incident, resumed_at, resumed = self._await_recovery(sample, injected_at)
-            detected = _seconds(incident.detected)
+            detected = stamp_seconds(incident.detected)
             sample.transition_s = round(resumed_at - detected, 4)
             if incident.HasField("resumed"):
                 sample.cost_transition_s = round(incident.cost.transition_seconds, 4)
@@ -564,16 +557,16 @@ class UnicronSide:
                 (
                     i
                     for i in self.client.incidents(sample.job_id)
-                    if _seconds(i.detected) >= injected_at - 0.5 and i.kind != pb.FAILURE_KIND_STRAGGLER
+                    if stamp_seconds(i.detected) >= injected_at - 0.5 and i.kind != pb.FAILURE_KIND_STRAGGLER
                 ),
-                key=lambda i: _seconds(i.detected),
+                key=lambda i: stamp_seconds(i.detected),
             )
             job = self.client.get(sample.job_id)
             if found:
                 first = next((i for i in found if i.incident_id == first_id), found[0])
                 first_id = first.incident_id
-                detected = _seconds(first.detected)
-                lines = [c for c in job.history if "training resumed" in c.reason and _seconds(c.time) >= detected]
+                detected = stamp_seconds(first.detected)
+                lines = [c for c in job.history if "training resumed" in c.reason and stamp_seconds(c.time) >= detected]
                 if lines:
                     sample.incident_id = first.incident_id
                     sample.kind = pb.FailureKind.Name(first.kind)
@@ -582,11 +575,11 @@ class UnicronSide:
                         f"{pb.FailureKind.Name(i.kind).removeprefix('FAILURE_KIND_')}:"
                         f"{_remedy_name(i.remedy) if i.remedy else 'none'}"
                         for i in found
-                        if _seconds(i.detected) <= _seconds(lines[0].time)
+                        if stamp_seconds(i.detected) <= stamp_seconds(lines[0].time)
                     ]
                     if first.kind != expected:
                         sample.error = f"the first incident after the injection is {sample.kind}, not the fault's"
-                    return first, _seconds(lines[0].time), parse_resumed(lines[0].reason)
+                    return first, stamp_seconds(lines[0].time), parse_resumed(lines[0].reason)
             if job.state in _TERMINAL:
                 raise RuntimeError(f"job ended: {pb.JobState.Name(job.state)}: {job.reason}")
             if time.monotonic() > deadline:
@@ -870,7 +863,7 @@ def main(argv: list[str] | None = None) -> int:
         "cpus": os.cpu_count(),
         "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
     }
-    _log(f"run directory {run_dir}; failure iterations {steps}")
+    log(f"run directory {run_dir}; failure iterations {steps}")
     samples: list[Sample] = []
     baseline: list[BaselineSample] = []
     cluster = LocalCluster(run_dir / "cluster", agents=DATA_PARALLEL, slots_per_agent=1, fault_injection=True)
@@ -887,7 +880,7 @@ def main(argv: list[str] | None = None) -> int:
                     step = steps[action][index]
                     sample = unicron_side.measure(action, index, step)
                     samples.append(sample)
-                    _log(
+                    log(
                         f"{action:<9} #{index + 1} step {step}: transition {sample.transition_s}s regain "
                         f"{sample.regain_s}s source {sample.state_source or '-'} recomputed {sample.recomputed} "
                         f"size {sample.size_before}->{sample.size_after} remedy {sample.remedy or '-'} {sample.error}"
@@ -896,21 +889,21 @@ def main(argv: list[str] | None = None) -> int:
                     if not args.no_baseline:
                         base = baseline_side.measure(action, step)
                         baseline.append(base)
-                        _log(
+                        log(
                             f"{'baseline':<9} #{index + 1} step {base.step_at_kill}: restart {base.restart_s}s "
                             f"regain {base.regain_s}s lost {base.lost_iterations} {base.error}"
                         )
     except (Exception, KeyboardInterrupt) as exc:  # noqa: BLE001 -- report what was measured before it broke
-        _log(f"bench aborted: {type(exc).__name__}: {exc}")
+        log(f"bench aborted: {type(exc).__name__}: {exc}")
         environment["aborted"] = f"{type(exc).__name__}: {exc}"
     finally:
         leftovers = cluster.stop()
         if leftovers:
-            _log(f"processes outlived their cluster and were killed: {leftovers}")
+            log(f"processes outlived their cluster and were killed: {leftovers}")
     environment["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     environment["wall_s"] = round(time.monotonic() - began, 1)
     if args.keep_logs:
-        _log(f"logs kept in {run_dir}")
+        log(f"logs kept in {run_dir}")
     else:
         shutil.rmtree(run_dir, ignore_errors=True)
     report = build_report(

@@ -293,12 +293,9 @@ class Coordinator:
                 continue
             self._observe(job, report, now)
             if any(w.node_id == node_id and w.state in _NOT_YET_RUNNING for w in job.workers):
-                job = _with_progress(
-                    self.store.update_job(
-                        job.job_id,
-                        lambda current: JobWrite() if transitions.mark_running(current, node_id, now) else None,
-                    ),
-                    job,
+                job = self.store.update_job(
+                    job.job_id,
+                    lambda current: JobWrite() if transitions.mark_running(current, node_id, now) else None,
                 )
             # Every rank reports; the loss is already averaged over data-parallel ranks, so
             # rank 0 speaks for the job.
@@ -308,10 +305,9 @@ class Coordinator:
             if report.iteration <= job.progress.iteration and not resuming:
                 continue  # a duplicate from a retried batch, or out of order: progress never goes back
             if resuming:
-                job = _with_progress(self._resume(job, report, now) or job, job)
+                job = self._resume(job, report, now) or job
             elif job.state == state.SCHEDULED:
-                moved = self._move(job.job_id, state.RUNNING, "training", only_from={state.SCHEDULED})
-                job = _with_progress(moved or job, job)
+                job = self._move(job.job_id, state.RUNNING, "training", only_from={state.SCHEDULED}) or job
             self._set_progress(job, report, now)
             jobs[job.job_id] = job
         self._check_stragglers(jobs, now)
@@ -381,9 +377,7 @@ class Coordinator:
         report: node_service_pb2.IterationReport,
         now: float,
     ) -> None:
-        incident = next(
-            (i for i in self.store.list_incidents(job.job_id) if i.incident_id == attempt.incident_id), None
-        )
+        incident = self.store.get_incident(attempt.incident_id)
         if incident is None:
             return
         resumed_waf = job.spec.weight * (report.flops / report.seconds if report.seconds > 0 else 0.0)
@@ -398,7 +392,7 @@ class Coordinator:
                 current.cost.healthy_waf, healthy_slots, job.assignment.world_size
             )
 
-        self._update_incident(incident, edit)
+        stored = self._update_incident(incident, edit)
         trace.record_span(
             attempt.traceparent,
             trace.RESUMED,
@@ -425,11 +419,7 @@ class Coordinator:
             },
         )
         if self.metrics is not None:
-            stored = next(
-                (i for i in self.store.list_incidents(job.job_id) if i.incident_id == incident.incident_id), None
-            )
-            if stored is not None:
-                self.metrics.record_incident(stored)
+            self.metrics.record_incident(stored)
 
     def _observe(self, job: common_pb2.Job, report: node_service_pb2.IterationReport, now: float) -> None:
         """Feeds the job's cross-node monitor. An agent compares only its own node's ranks;
@@ -688,14 +678,7 @@ class Coordinator:
                 and incidents.is_open(incident, now)
             ):
                 with self._incidents_lock:
-                    current = next(
-                        (
-                            i
-                            for i in self.store.list_incidents(incident.job_id)
-                            if i.incident_id == incident.incident_id
-                        ),
-                        None,
-                    )
+                    current = self.store.get_incident(incident.incident_id)
                     if current is not None and current.remedy == common_pb2.REMEDY_UNSPECIFIED:
                         self._respond(current)
 
@@ -853,9 +836,12 @@ class Coordinator:
                 self._record(report)
         self._want_replan(f"node {node_id} isolated")
 
-    def _update_incident(self, incident: common_pb2.Incident, edit: Callable[[common_pb2.Incident], None]) -> None:
+    def _update_incident(
+        self, incident: common_pb2.Incident, edit: Callable[[common_pb2.Incident], None]
+    ) -> common_pb2.Incident:
         """Compare-and-set edit of an incident that is still the open one under its key;
-        an older one (its key moved on) is rewritten from the copy at hand."""
+        an older one (its key moved on) is rewritten from the copy at hand. Returns what
+        was stored."""
         key = incidents.incident_key(incident.reports[0])
 
         def update(current: common_pb2.Incident | None) -> common_pb2.Incident:
@@ -867,12 +853,13 @@ class Coordinator:
             return out
 
         try:
-            self.store.upsert_incident(key, update)
+            return self.store.upsert_incident(key, update)[0]
         except _NoOpenIncident:
             out = common_pb2.Incident()
             out.CopyFrom(incident)
             edit(out)
             self.store.set_incident(out)
+            return out
 
     # ---- reconcile loop ---------------------------------------------------------------
 
@@ -936,10 +923,9 @@ class Coordinator:
                 def edit(current: common_pb2.Incident, size: int = job.assignment.world_size) -> None:
                     current.cost.CopyFrom(cost.accrue_sub_healthy(current.cost, seconds, slots_now=size))
 
-                self._update_incident(incident, edit)
+                updated = self._update_incident(incident, edit)
                 if self.metrics is not None:
-                    updated = cost.accrue_sub_healthy(incident.cost, seconds, slots_now=job.assignment.world_size)
-                    self.metrics.record_sub_healthy(incident, updated.sub_healthy_waf_seconds - before)
+                    self.metrics.record_sub_healthy(updated, updated.cost.sub_healthy_waf_seconds - before)
 
     def _want_replan(self, reason: str) -> None:
         self._replan_reason = self._replan_reason or reason
@@ -1175,13 +1161,6 @@ class Coordinator:
             log.info("job %s", state.state_name(target).lower(), extra={"job_id": job_id, "reason": reason})
             self._wake.set()
         return job if moved else None
-
-
-def _with_progress(job: common_pb2.Job, source: common_pb2.Job) -> common_pb2.Job:
-    """Job writes do not carry progress (it lives beside the job): keep the one we had."""
-    if job is not source:
-        job.progress.CopyFrom(source.progress)
-    return job
 
 
 def _pending_remedy(job: common_pb2.Job) -> common_pb2.RemedyAttempt | None:

@@ -209,7 +209,8 @@ class Store:
     ) -> common_pb2.Job:
         """Compare-and-set: re-reads the job, applies mutate, writes it with version + 1
         unless another writer got there first, then retries. mutate returning None means
-        'nothing to write'; exceptions it raises propagate and nothing is written."""
+        'nothing to write'; exceptions it raises propagate and nothing is written. The job
+        returned carries its progress, as get_job's does (progress is never written here)."""
         key = _job_key(job_id)
         for _ in range(CAS_ATTEMPTS):
             with self._redis.pipeline() as pipe:
@@ -221,7 +222,7 @@ class Store:
                     job = common_pb2.Job.FromString(raw)
                     write = mutate(job)
                     if write is None:
-                        return job
+                        return self._with_progress(job)
                     job.version += 1
                     pipe.multi()
                     pipe.set(key, job.SerializeToString())
@@ -230,10 +231,16 @@ class Store:
                     for node_id, command in write.commands:
                         pipe.xadd(_commands_key(node_id), {EVENT_FIELD: command.SerializeToString()})
                     pipe.execute()
-                    return job
+                    return self._with_progress(job)
                 except redis.WatchError:
                     continue
         raise Conflict(f"job {job_id}: too many concurrent updates")
+
+    def _with_progress(self, job: common_pb2.Job) -> common_pb2.Job:
+        progress = self._redis.get(_progress_key(job.job_id))
+        if progress is not None:
+            job.progress.ParseFromString(progress)
+        return job
 
     @redis_errors
     def set_progress(self, job_id: str, progress: common_pb2.JobProgress, event: common_pb2.JobEvent) -> None:
@@ -304,6 +311,11 @@ class Store:
     @redis_errors
     def set_incident(self, incident: common_pb2.Incident) -> None:
         self._fenced(lambda pipe: pipe.set(_incident_key(incident.incident_id), incident.SerializeToString()))
+
+    @redis_errors
+    def get_incident(self, incident_id: str) -> common_pb2.Incident | None:
+        raw = self._redis.get(_incident_key(incident_id))
+        return common_pb2.Incident.FromString(raw) if raw is not None else None
 
     @redis_errors
     def list_incidents(self, job_id: str = "", limit: int = 200) -> list[common_pb2.Incident]:
