@@ -384,13 +384,9 @@ class Coordinator:
 
         def edit(current: common_pb2.Incident) -> None:
             current.resumed.FromNanoseconds(int(now * 1e9))
-            healthy_slots = current.cost.healthy_slots
-            current.cost.CopyFrom(cost.incident_cost(current, current.cost.healthy_waf, resumed_waf, now))
-            current.cost.healthy_slots = healthy_slots
+            current.cost.resumed_waf = resumed_waf
             current.cost.resumed_slots = job.assignment.world_size
-            current.cost.sub_healthy_waf = cost.size_loss(
-                current.cost.healthy_waf, healthy_slots, job.assignment.world_size
-            )
+            current.cost.CopyFrom(cost.resumed_cost(current))
 
         stored = self._update_incident(incident, edit)
         trace.record_span(
@@ -789,6 +785,8 @@ class Coordinator:
                 current.remedy_started.FromNanoseconds(int(now * 1e9))
                 current.cost.healthy_waf = healthy_waf
                 current.cost.healthy_slots = healthy_slots
+                if current.HasField("resumed"):
+                    current.cost.CopyFrom(cost.resumed_cost(current))
 
         self._update_incident(incident, note)
         trace.record_span(
@@ -839,27 +837,12 @@ class Coordinator:
     def _update_incident(
         self, incident: common_pb2.Incident, edit: Callable[[common_pb2.Incident], None]
     ) -> common_pb2.Incident:
-        """Compare-and-set edit of an incident that is still the open one under its key;
-        an older one (its key moved on) is rewritten from the copy at hand. Returns what
-        was stored."""
-        key = incidents.incident_key(incident.reports[0])
-
-        def update(current: common_pb2.Incident | None) -> common_pb2.Incident:
-            if current is None or current.incident_id != incident.incident_id:
-                raise _NoOpenIncident
-            out = common_pb2.Incident()
-            out.CopyFrom(current)
-            edit(out)
-            return out
-
-        try:
-            return self.store.upsert_incident(key, update)[0]
-        except _NoOpenIncident:
-            out = common_pb2.Incident()
-            out.CopyFrom(incident)
-            edit(out)
-            self.store.set_incident(out)
-            return out
+        """Compare-and-set edit of an incident, applied to what is stored now (other threads
+        close incidents and add reports concurrently). Returns what was stored."""
+        stored = self.store.update_incident(incident.incident_id, edit)
+        if stored is None:
+            raise NotFound(f"incident {incident.incident_id}")
+        return stored
 
     # ---- reconcile loop ---------------------------------------------------------------
 

@@ -69,6 +69,19 @@ def incident_cost(incident: pb.Incident, healthy_waf: float, resumed_waf: float,
     )
 
 
+def resumed_cost(incident: pb.Incident) -> pb.FailureCost:
+    """The cost of a resumed incident from what it records (healthy and resumed rate and
+    size, resumed time), keeping the sub-healthy time accrued so far. The remedy's note
+    and the resume may be written in either order: whichever comes second prices it."""
+    out = incident_cost(incident, incident.cost.healthy_waf, incident.cost.resumed_waf, _seconds(incident.resumed))
+    out.healthy_slots = incident.cost.healthy_slots
+    out.resumed_slots = incident.cost.resumed_slots
+    out.sub_healthy_waf = size_loss(out.healthy_waf, out.healthy_slots, out.resumed_slots)
+    out.sub_healthy_seconds = incident.cost.sub_healthy_seconds
+    out.sub_healthy_waf_seconds = incident.cost.sub_healthy_waf_seconds
+    return out
+
+
 def accrue_sub_healthy(cost: pb.FailureCost, seconds: float, slots_now: int | None = None) -> pb.FailureCost:
     """A copy of cost with seconds more of sub-healthy running (negative counts as 0).
     With slots_now, the sub-healthy rate first follows the job's size: healthy_waf x

@@ -290,6 +290,8 @@ class Store:
                     incident_id = pipe.get(pointer)
                     current = None
                     if incident_id is not None:
+                        # Edits by id (update_incident) write the record, not the pointer.
+                        pipe.watch(_incident_key(incident_id.decode()))
                         raw = pipe.get(_incident_key(incident_id.decode()))
                         current = common_pb2.Incident.FromString(raw) if raw is not None else None
                     incident = update(current)
@@ -309,8 +311,29 @@ class Store:
         raise Conflict(f"incident {key}: too many concurrent updates")
 
     @redis_errors
-    def set_incident(self, incident: common_pb2.Incident) -> None:
-        self._fenced(lambda pipe: pipe.set(_incident_key(incident.incident_id), incident.SerializeToString()))
+    def update_incident(
+        self, incident_id: str, edit: Callable[[common_pb2.Incident], None]
+    ) -> common_pb2.Incident | None:
+        """Compare-and-set edit of one incident by id, whether or not it is still the open
+        one under its key (a late edit must not overwrite what others wrote since). Returns
+        what was stored; None when there is no such incident."""
+        key = _incident_key(incident_id)
+        for _ in range(CAS_ATTEMPTS):
+            with self._redis.pipeline() as pipe:
+                try:
+                    self._watch(pipe, key)
+                    raw = pipe.get(key)
+                    if raw is None:
+                        return None
+                    incident = common_pb2.Incident.FromString(raw)
+                    edit(incident)
+                    pipe.multi()
+                    pipe.set(key, incident.SerializeToString())
+                    pipe.execute()
+                    return incident
+                except redis.WatchError:
+                    continue
+        raise Conflict(f"incident {incident_id}: too many concurrent updates")
 
     @redis_errors
     def get_incident(self, incident_id: str) -> common_pb2.Incident | None:

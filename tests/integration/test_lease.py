@@ -140,7 +140,8 @@ def test_the_leader_writes_as_before(redis_client: redis.Redis) -> None:
     assert store.append_command("node-a", node_service_pb2.NodeCommand()) != ""
     incident = common_pb2.Incident(incident_id="inc-1", job_id=job.job_id)
     assert store.upsert_incident("k", lambda _: incident) == (incident, True)
-    store.set_incident(incident)
+    stored = store.update_incident("inc-1", lambda current: setattr(current, "summary", "edited"))
+    assert stored is not None and stored.summary == "edited"
 
 
 FencedWrite = Callable[[Store], object]
@@ -151,7 +152,7 @@ WRITES: dict[str, FencedWrite] = {
         "node-a", common_pb2.NODE_STATE_LOST, expected=common_pb2.NODE_STATE_READY
     ),
     "upsert_incident": lambda s: s.upsert_incident("k", lambda _: common_pb2.Incident(incident_id="inc-1")),
-    "set_incident": lambda s: s.set_incident(common_pb2.Incident(incident_id="inc-2")),
+    "update_incident": lambda s: s.update_incident("inc-1", lambda current: None),
     "append_command": lambda s: s.append_command("node-a", node_service_pb2.NodeCommand()),
 }
 

@@ -112,6 +112,37 @@ def test_incident_cost(
     assert cost.total_waf_seconds(c) == pytest.approx(want[2] + want[3])
 
 
+def _stamp(seconds: float) -> Any:
+    out = pb.Incident().detected
+    out.FromNanoseconds(int(seconds * 1e9))
+    return out
+
+
+@pytest.mark.parametrize("note_first", [True, False])
+def test_resumed_cost_is_the_same_whichever_edit_lands_first(note_first: bool) -> None:
+    incident = pb.Incident(incident_id="i")
+    incident.first_seen.CopyFrom(_stamp(NOW - 2))
+    incident.detected.CopyFrom(_stamp(NOW - 1))
+
+    def note(current: pb.Incident) -> None:  # the remedy chosen, at the healthy rate and size
+        current.cost.healthy_waf, current.cost.healthy_slots = 4 * GF, 4
+        if current.HasField("resumed"):
+            current.cost.CopyFrom(cost.resumed_cost(current))
+
+    def close(current: pb.Incident) -> None:  # training resumed on 2 of the 4 slots
+        current.resumed.CopyFrom(_stamp(NOW + 3))
+        current.cost.resumed_waf, current.cost.resumed_slots = 1 * GF, 2
+        current.cost.CopyFrom(cost.resumed_cost(current))
+
+    for edit in (note, close) if note_first else (close, note):
+        edit(incident)
+    got = incident.cost
+    assert (got.detection_seconds, got.transition_seconds) == pytest.approx((1.0, 4.0))
+    assert got.transition_waf_seconds == pytest.approx(16 * GF)
+    assert got.sub_healthy_waf == pytest.approx(2 * GF)  # half the size, by size alone
+    assert (got.healthy_slots, got.resumed_slots) == (4, 2)
+
+
 def test_accrue_sub_healthy_adds_up_and_does_not_mutate() -> None:
     start = cost.incident_cost(make_incident(first_seen=100, detected=102), 3 * GF, 2 * GF, 110)
     once = cost.accrue_sub_healthy(start, 5.0)
