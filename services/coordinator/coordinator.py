@@ -734,7 +734,7 @@ class Coordinator:
                 assignment = self._new_assignment(job, decide.slots_by_node(job))
                 attempt.generation = assignment.generation
                 rank_map = (
-                    decide.survivor_map(job, assignment, *incidents.waiting_and_gone(incident))
+                    decide.survivor_map(job, assignment, *incidents.waiting_and_gone(incident), unreachable)
                     if settings.reform_restarts
                     else None
                 )
@@ -1072,9 +1072,19 @@ class Coordinator:
             assignment = self._new_assignment(job, change.slots, nodes)
             how = change.transition or "move"
             reason = f"{how} to {assignment.world_size} ranks ({placed}) by re-plan ({why})"
-            commands = transitions.stop(job, now, reason, settings.ack_timeout_s, unreachable)
-            commands += transitions.start(job, assignment, now, reason, settings.ack_timeout_s)
             pending = _pending_remedy(job)
+            rank_map = self._reform_map(job, assignment, pending, nodes) if settings.reform_restarts else None
+            if rank_map is not None:
+                # The ranks on nodes the job keeps go on in place with their state; only the
+                # new assignment's other ranks start, and take the state from a live peer.
+                reason += f", keeping ranks {sorted(rank_map)} in place"
+                incident_id = pending.incident_id if pending is not None else ""
+                commands = transitions.reform(
+                    job, assignment, rank_map, now, reason, settings.ack_timeout_s, incident_id, unreachable
+                )
+            else:
+                commands = transitions.stop(job, now, reason, settings.ack_timeout_s, unreachable)
+                commands += transitions.start(job, assignment, now, reason, settings.ack_timeout_s)
             if pending is not None and pending.generation == 0:
                 pending.generation = assignment.generation
                 for _, command in commands:
@@ -1098,6 +1108,35 @@ class Coordinator:
                 "plan carried out",
                 extra={"job_id": job.job_id, "change": change.kind, "slots": change.slots, "why": why},
             )
+
+    def _reform_map(
+        self,
+        job: common_pb2.Job,
+        assignment: common_pb2.Assignment,
+        pending: common_pb2.RemedyAttempt | None,
+        nodes: dict[str, common_pb2.Node],
+    ) -> dict[int, int] | None:
+        """Which ranks a re-plan's move keeps in place (see decide.survivor_map and
+        decide.live_map); None to restart the job the classic way."""
+        if pending is None:
+            return decide.live_map(job, assignment)
+        # The job's ranks may have reported into more than one incident (a node's own, the
+        # network errors of its peers): any open one of this generation tells who waits and
+        # who is gone.
+        waiting: set[int] = set()
+        gone: set[int] = set()
+        for incident in self.store.list_incidents(job.job_id, limit=20):
+            if incident.generation == job.assignment.generation and not incident.HasField("resumed"):
+                more_waiting, more_gone = incidents.waiting_and_gone(incident)
+                waiting |= more_waiting
+                gone |= more_gone
+        # Ranks on a node taken out of service are gone (stopped, if not dead already).
+        for worker in job.assignment.workers:
+            node = nodes.get(worker.node_id)
+            if node is None or node.state != common_pb2.NODE_STATE_READY:
+                gone.update(worker.ranks)
+        unreachable = frozenset(n for n, node in nodes.items() if node.state == common_pb2.NODE_STATE_LOST)
+        return decide.survivor_map(job, assignment, waiting - gone, gone, unreachable)
 
     def _new_assignment(
         self,

@@ -133,18 +133,45 @@ def plan_changes(
 
 
 def survivor_map(
-    job: common_pb2.Job, assignment: common_pb2.Assignment, waiting: set[int], gone: set[int]
+    job: common_pb2.Job,
+    assignment: common_pb2.Assignment,
+    waiting: set[int],
+    gone: set[int],
+    unreachable: frozenset[str] = frozenset(),
 ) -> dict[int, int] | None:
-    """Old rank -> new rank for the ranks that can keep their state through a reform, or
-    None when the job must restart the classic way. A reform needs every rank either gone
-    or waiting for a decision (a rank still inside a collective with a dead peer cannot
-    listen), at least one survivor per node it keeps, and whole-model ranks (tensor and
-    pipeline 1: any data-parallel rank's state serves any other)."""
-    par = job.spec.parallelism
-    if par.tensor != 1 or par.pipeline != 1 or not gone:
+    """Old rank -> new rank for the ranks that keep their state through a reform after a
+    failure, or None when the job must restart the classic way.
+
+    A rank that neither waits for a decision nor is gone sits in a collective with a rank
+    that is gone or that will leave the old group for the new one: either way the collective
+    breaks and the rank takes the reform. Not so with a rank on a node the coordinator cannot
+    reach: it may be alive and hold its peers until the collective timeout. Then every rank
+    must have answered (waited, or gone)."""
+    behind = {r for w in job.assignment.workers if w.node_id in unreachable for r in w.ranks}
+    gone = gone | behind
+    if not gone:
         return None
     ranks = {r for w in job.assignment.workers for r in w.ranks}
-    if not ranks <= waiting | gone:
+    if behind and not ranks <= waiting | gone:
+        return None
+    return _kept_in_place(job, assignment, gone)
+
+
+def live_map(job: common_pb2.Job, assignment: common_pb2.Assignment) -> dict[int, int] | None:
+    """Old rank -> new rank for a healthy job that a re-plan resizes or moves: its ranks on
+    nodes it keeps join the new group at their next iteration boundary, without a restart.
+    None when the job is not simply training (a transition of its own is under way)."""
+    if job.state != state.RUNNING:
+        return None
+    return _kept_in_place(job, assignment, set())
+
+
+def _kept_in_place(job: common_pb2.Job, assignment: common_pb2.Assignment, gone: set[int]) -> dict[int, int] | None:
+    """Maps the live ranks on nodes the new assignment keeps to its ranks there. Whole-model
+    ranks only (tensor and pipeline 1: any data-parallel rank's state serves any other);
+    None when no rank is kept."""
+    par = job.spec.parallelism
+    if par.tensor != 1 or par.pipeline != 1:
         return None
     new_by_node = {w.node_id: sorted(w.ranks) for w in assignment.workers}
     mapping: dict[int, int] = {}

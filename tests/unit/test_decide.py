@@ -140,21 +140,59 @@ def placed(job_id: str, generation: int, **ranks: list[int]) -> common_pb2.Job:
 
 
 @pytest.mark.parametrize(
-    ("waiting", "gone", "expected"),
+    ("waiting", "gone", "unreachable", "expected"),
     [
-        ({0, 1, 3}, {2}, {0: 0, 1: 1, 3: 3}),  # rank 2 died, its peers wait: keep them
-        ({0, 1}, {2}, None),  # rank 3 neither waits nor died: it may sit in a collective
-        ({0, 1, 2, 3}, set(), None),  # nobody died: a reattempt's business
-        (set(), {0, 1, 2, 3}, None),  # nobody left to share the state
+        ({0, 1, 3}, {2}, set(), {0: 0, 1: 1, 3: 3}),  # rank 2 died, its peers wait: keep them
+        # Rank 3 has not answered: its collective breaks as its peers leave the old group.
+        ({0, 1}, {2}, set(), {0: 0, 1: 1, 3: 3}),
+        ({0, 1, 2, 3}, set(), set(), None),  # nobody died: a reattempt's business
+        (set(), {0, 1, 2, 3}, set(), None),  # nobody left to share the state
+        # Node b cannot be reached: its ranks are gone, and rank 1 must have answered, since
+        # a live rank behind b could hold its collective until the timeout.
+        ({0, 1}, set(), {"b"}, {0: 0, 1: 1}),
+        ({0}, set(), {"b"}, None),
     ],
 )
-def test_survivor_map(waiting: set[int], gone: set[int], expected: dict[int, int] | None) -> None:
+def test_survivor_map(
+    waiting: set[int], gone: set[int], unreachable: set[str], expected: dict[int, int] | None
+) -> None:
     job = placed("j", 1, a=[0, 1], b=[2, 3])
     new = placed("j", 2, a=[0, 1], b=[2, 3]).assignment
-    assert decide.survivor_map(job, new, waiting, gone) == expected
+    assert decide.survivor_map(job, new, waiting, gone, frozenset(unreachable)) == expected
 
 
 def test_survivor_map_needs_whole_model_ranks() -> None:
     job = placed("j", 1, a=[0, 1], b=[2, 3])
     job.spec.parallelism.tensor = 2
     assert decide.survivor_map(job, job.assignment, {0, 1, 3}, {2}) is None
+
+
+def test_a_shrink_after_a_node_is_isolated_keeps_the_survivors_renumbered() -> None:
+    job = placed("j", 1, a=[0], b=[1], c=[2])
+    shrunk = placed("j", 2, b=[0], c=[1]).assignment  # node a isolated, ranks renumbered
+    assert decide.survivor_map(job, shrunk, {1, 2}, {0}) == {1: 0, 2: 1}
+
+
+@pytest.mark.parametrize(
+    ("new_ranks", "expected"),
+    [
+        ({"a": [0], "b": [1], "c": [2]}, {0: 0, 1: 1}),  # grow onto c: a and b stay, c starts
+        ({"b": [0]}, {1: 0}),  # shrink off a: b goes on as rank 0
+        ({"a": [0, 1], "b": [2, 3]}, {0: 0, 1: 2}),  # more ranks per node
+        ({"c": [0], "d": [1]}, None),  # moved off every node it had: nothing kept
+    ],
+)
+def test_live_map_keeps_a_healthy_jobs_ranks_on_the_nodes_it_keeps(
+    new_ranks: dict[str, list[int]], expected: dict[int, int] | None
+) -> None:
+    job = placed("j", 1, a=[0], b=[1])
+    assert decide.live_map(job, placed("j", 2, **new_ranks).assignment) == expected
+
+
+def test_live_map_only_for_a_job_that_is_simply_training() -> None:
+    job = placed("j", 1, a=[0], b=[1])
+    job.state = state.RECOVERING
+    assert decide.live_map(job, placed("j", 2, a=[0]).assignment) is None
+    job.state = state.RUNNING
+    job.spec.parallelism.pipeline = 2
+    assert decide.live_map(job, placed("j", 2, a=[0]).assignment) is None
