@@ -341,22 +341,8 @@ def small_spec(name: str, iterations: int = 100_000) -> pb.JobSpec:
 
 
 def job_trainers(cluster: LocalCluster, job_id: str) -> list[psutil.Process]:
-    """The job's trainer processes: the agents' descendants whose environment names the job."""
-    found: list[psutil.Process] = []
-    for service in cluster.services:
-        if not service.name.startswith("node-"):
-            continue
-        try:
-            children = psutil.Process(service.proc.pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            continue
-        for child in children:
-            try:
-                if child.environ().get("UNICRON_TRAINER_JOB_ID") == job_id:
-                    found.append(child)
-            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-                continue
-    return found
+    """The job's trainer processes, as the agents' registries list them."""
+    return cluster.trainer_processes(job_id)
 
 
 def _gone(proc: psutil.Process) -> bool:

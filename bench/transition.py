@@ -866,7 +866,9 @@ def main(argv: list[str] | None = None) -> int:
     log(f"run directory {run_dir}; failure iterations {steps}")
     samples: list[Sample] = []
     baseline: list[BaselineSample] = []
-    cluster = LocalCluster(run_dir / "cluster", agents=DATA_PARALLEL, slots_per_agent=1, fault_injection=True)
+    cluster = LocalCluster(
+        run_dir / "cluster", agents=DATA_PARALLEL, slots_per_agent=1, fault_injection=True, warm_spares=1
+    )
     try:
         cluster.start()
         with UnicronClient(cluster.coordinator) as client:

@@ -39,7 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     say(f"starting Redis, coordinator, 2 planners, 2 agents (logs in {run_dir})")
     fault = None if args.fault == "none" else parse_fault(args.fault, jobspec.world_size(spec) - 1)
-    cluster = LocalCluster(run_dir, redis_url=os.environ.get("UNICRON_REDIS_URL"), fault_injection=fault is not None)
+    cluster = LocalCluster(
+        run_dir, redis_url=os.environ.get("UNICRON_REDIS_URL"), fault_injection=fault is not None, warm_spares=1
+    )
     code = 1
     try:
         cluster.start()

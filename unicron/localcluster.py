@@ -3,6 +3,7 @@ tests run. Stops cleanly, leaving no process behind."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import psutil
 
+from services.agent.supervisor import REGISTRY_FILE
 from unicron import jobspec, redisutil, rpc
 from unicron.errors import Unavailable
 from unicron.redisutil import LocalRedis, free_port
@@ -67,6 +69,9 @@ class LocalCluster:
     coordinators: int = 1
     lease_ttl_s: float = 3.0
     fault_injection: bool = False
+    # Spare trainers per agent (services/agent/spares.py). Off by default here: on a small
+    # machine each one is an idle trainer's memory, and its imports compete for the CPU.
+    warm_spares: int = 0
     agent_args: list[str] = field(default_factory=list)
     extra_env: dict[str, str] = field(default_factory=dict)
     services: list[Service] = field(default_factory=list)
@@ -108,6 +113,24 @@ class LocalCluster:
 
     def service(self, name: str) -> Service:
         return next(s for s in self.services if s.name == name)
+
+    def trainer_processes(self, job_id: str, rank: int | None = None) -> list[psutil.Process]:
+        """The job's live trainer processes (of one rank, when given), as the agents'
+        registries (services/agent/supervisor.py) list them."""
+        found = []
+        for registry in sorted((self.run_dir / "agents").glob(f"*/{REGISTRY_FILE}")):
+            try:
+                entries = json.loads(registry.read_text())
+            except (OSError, ValueError):
+                continue  # being rewritten: a reader tries again
+            for entry in entries:
+                if entry["job_id"] != job_id or (rank is not None and entry["rank"] != rank):
+                    continue
+                try:
+                    found.append(psutil.Process(entry["pid"]))
+                except psutil.NoSuchProcess:
+                    continue
+        return found
 
     def start(self, timeout_s: float = 60.0) -> LocalCluster:
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -151,6 +174,8 @@ class LocalCluster:
                         "--failure-domain",
                         f"rack-{i % 2}",
                         "--fault-injection" if self.fault_injection else "--no-fault-injection",
+                        "--warm-spares",
+                        str(self.warm_spares),
                         *self.agent_args,
                     ],
                     bind="127.0.0.1:0",

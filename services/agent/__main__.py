@@ -39,6 +39,9 @@ class AgentConfig:
     hang_floor_s: float = 1.0
     hang_warmup_iterations: int = 3
     max_workers: int = 32
+    # Trainer processes kept ready (torch and Megatron imported) so that a restarted rank
+    # skips seconds of imports; each costs the memory of an idle trainer (a few hundred MB).
+    warm_spares: int = 1
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -48,6 +51,7 @@ class AgentConfig:
         require(self.slots >= 1, "slots", "must be at least 1")
         require(self.stop_grace_s >= 0, "stop_grace_s", "must not be negative")
         require(self.max_workers >= 4, "max_workers", "must be at least 4")
+        require(0 <= self.warm_spares <= 64, "warm_spares", "must be between 0 and 64")
         require(self.health_period_s > 0, "health_period_s", "must be positive")
         require(self.hang_k > 1, "hang_k", "must exceed 1")
         require(self.hang_floor_s > 0, "hang_floor_s", "must be positive")
@@ -68,6 +72,7 @@ def setup(config: AgentConfig, server: rpc.Server, log: logging.Logger) -> Calla
             fault_injection=config.fault_injection,
             monitoring=config.monitor,
             health_period_s=config.health_period_s,
+            warm_spares=config.warm_spares,
             monitor=MonitorSettings(
                 k=config.hang_k, floor_s=config.hang_floor_s, warmup_iterations=config.hang_warmup_iterations
             ),

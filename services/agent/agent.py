@@ -24,6 +24,7 @@ import psutil
 from google.protobuf import json_format
 
 from services.agent.health import HealthCheck, HealthFinding, run_checks
+from services.agent.spares import SparePool
 from services.agent.supervisor import Supervisor, WorkerExit, WorkerKey
 from services.agent.trainer_link import LinkHandlers, Rejected, TrainerLink
 from unicron import failures, rpc
@@ -69,6 +70,19 @@ class AgentSettings:
     health_period_s: float = 5.0
     monitor: MonitorSettings = field(default_factory=MonitorSettings)
     trainer_command: tuple[str, ...] = (sys.executable, "-m", "services.trainer")
+    # Trainer processes kept ready (torch and Megatron imported) for ranks that start: a
+    # restart then skips seconds of imports. Each costs the memory of an idle trainer.
+    warm_spares: int = 0
+    spare_command: tuple[str, ...] = (sys.executable, "-m", "services.trainer.spare")
+
+
+def trainer_base_env() -> dict[str, str]:
+    """The environment every trainer of this node starts from (its rank's settings added)."""
+    env = dict(os.environ)
+    # One rank per slot: a CPU rank with a thread per core would oversubscribe the node
+    # many times over and starve the agent's own heartbeat.
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
 
 
 def _catches(pid: int, sig: signal.Signals) -> bool:
@@ -119,7 +133,15 @@ class Agent:
         # Per job generation: the CPU rate of its local trainers over the last tick, in cores.
         self._cpu_rates: dict[tuple[str, int], float] = {}
         self._cpu_last: dict[tuple[str, int], tuple[float, float]] = {}
-        self.supervisor = Supervisor(settings.work_dir, self._worker_exited)
+        spares = SparePool(
+            settings.warm_spares,
+            settings.spare_command,
+            settings.trainer_command,
+            trainer_base_env(),
+            settings.work_dir,
+        )
+        self.supervisor = Supervisor(settings.work_dir, self._worker_exited, spares)
+        self._spares = spares
         self.link = TrainerLink(
             settings.node_id,
             LinkHandlers(
@@ -148,9 +170,11 @@ class Agent:
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
             self._threads.append(thread)
+        threading.Thread(target=self._spares.fill, name="spares", daemon=True).start()
 
     def stop(self) -> None:
         self._stop.set()
+        self.supervisor.close()
         self.supervisor.stop(grace_s=self.settings.stop_grace_s)
         for thread in self._threads:
             thread.join(timeout=2)
@@ -436,7 +460,7 @@ class Agent:
             key = WorkerKey(start.job_id, assignment.generation, rank)
             if key in self.supervisor.running(start.job_id) or (only is not None and rank not in only):
                 continue  # a replayed command after a reconnect, or a rank kept alive
-            env = dict(os.environ)
+            env = trainer_base_env()
             env.update(
                 {
                     "UNICRON_TRAINER_JOB_ID": start.job_id,
@@ -450,9 +474,6 @@ class Agent:
                     "UNICRON_TRAINER_FAULT_INJECTION": "1" if self.settings.fault_injection else "0",
                 }
             )
-            # One rank per slot: a CPU rank with a thread per core would oversubscribe the
-            # node many times over and starve the agent's own heartbeat.
-            env.setdefault("OMP_NUM_THREADS", "1")
             if self.settings.checkpoint_dir is not None:
                 env["UNICRON_TRAINER_CHECKPOINT_DIR"] = str(self.settings.checkpoint_dir / start.job_id)
             env.update(extra_env or {})

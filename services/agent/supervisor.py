@@ -3,6 +3,7 @@ learns of an exit the moment it happens rather than on a polling interval."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -12,6 +13,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from services.agent.spares import SparePool
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +38,16 @@ class WorkerExit:
     exited_at: float
 
 
+# Which process runs which rank, for operators and tests: a spare's /proc environment does
+# not show the rank it became.
+REGISTRY_FILE = "trainers.json"
+
+
 class Supervisor:
-    def __init__(self, work_dir: Path, on_exit: Callable[[WorkerExit], None]) -> None:
+    def __init__(self, work_dir: Path, on_exit: Callable[[WorkerExit], None], spares: SparePool | None = None) -> None:
         self._work_dir = work_dir
         self._on_exit = on_exit
+        self._spares = spares
         self._lock = threading.Lock()
         self._procs: dict[WorkerKey, subprocess.Popen[bytes]] = {}
         self._stopping: set[WorkerKey] = set()
@@ -47,27 +56,56 @@ class Supervisor:
         log_dir = self._work_dir / key.job_id
         log_dir.mkdir(parents=True, exist_ok=True)
         stem = log_dir / f"gen{key.generation}-rank{key.rank}"
-        with open(f"{stem}.out", "ab") as out, open(f"{stem}.err", "ab") as err:
-            proc = subprocess.Popen(
-                list(argv),
-                env=dict(env),
-                stdout=out,
-                stderr=err,
-                stdin=subprocess.DEVNULL,
-                # Own session: a stop signals the trainer's whole process tree, and a Ctrl-C
-                # at the agent's terminal does not reach trainers behind the agent's back.
-                start_new_session=True,
-            )
+        out_path, err_path = Path(f"{stem}.out"), Path(f"{stem}.err")
+        proc = self._spares.take(argv, env, out_path, err_path) if self._spares is not None else None
+        warm = proc is not None
+        if proc is None:
+            with open(out_path, "ab") as out, open(err_path, "ab") as err:
+                proc = subprocess.Popen(
+                    list(argv),
+                    env=dict(env),
+                    stdout=out,
+                    stderr=err,
+                    stdin=subprocess.DEVNULL,
+                    # Own session: a stop signals the trainer's whole process tree, and a Ctrl-C
+                    # at the agent's terminal does not reach trainers behind the agent's back.
+                    start_new_session=True,
+                )
         with self._lock:
             self._procs[key] = proc
-        threading.Thread(
-            target=self._wait, args=(key, proc, Path(f"{stem}.err")), name=f"wait-{key.rank}", daemon=True
-        ).start()
+            self._write_registry()
+        threading.Thread(target=self._wait, args=(key, proc, err_path), name=f"wait-{key.rank}", daemon=True).start()
         log.info(
             "trainer started",
-            extra={"job_id": key.job_id, "rank": key.rank, "pid": proc.pid, "generation": key.generation},
+            extra={
+                "job_id": key.job_id,
+                "rank": key.rank,
+                "pid": proc.pid,
+                "generation": key.generation,
+                "warm": warm,
+            },
         )
         return proc.pid
+
+    def _write_registry(self) -> None:
+        """Rewrites the registry (caller holds the lock); atomically, for readers."""
+        entries = [
+            {"pid": p.pid, "job_id": k.job_id, "generation": k.generation, "rank": k.rank}
+            for k, p in self._procs.items()
+        ]
+        path = self._work_dir / REGISTRY_FILE
+        try:
+            self._work_dir.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(entries))
+            tmp.replace(path)
+        except OSError as exc:
+            log.warning("cannot write the trainer registry", extra={"error": str(exc)})
+
+    def close(self) -> None:
+        """Ends the spares (the trainers are stopped with stop())."""
+        if self._spares is not None:
+            self._spares.close()
 
     def _wait(self, key: WorkerKey, proc: subprocess.Popen[bytes], err_path: Path) -> None:
         code = proc.wait()
@@ -76,6 +114,7 @@ class Supervisor:
             # The process may have joined a newer generation since it started (rekey).
             key = next((k for k, p in self._procs.items() if p is proc), key)
             self._procs.pop(key, None)
+            self._write_registry()
             stopped = key in self._stopping
             self._stopping.discard(key)
         tail = ""
@@ -99,6 +138,7 @@ class Supervisor:
             if proc is None:
                 return False
             self._procs[new] = proc
+            self._write_registry()
             if old in self._stopping:
                 self._stopping.discard(old)
                 self._stopping.add(new)

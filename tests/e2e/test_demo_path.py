@@ -90,13 +90,7 @@ def submit_running(cluster: LocalCluster, tmp_path: Path, name: str, iterations:
 def test_killed_trainer_is_restarted_and_the_job_trains_on(cluster: LocalCluster, tmp_path: Path) -> None:
     job_id = submit_running(cluster, tmp_path, "e2e-kill", iterations=10_000)
     with UnicronClient(cluster.coordinator) as client:
-        victims = [
-            p
-            for p in psutil.process_iter(["cmdline", "environ"])
-            if "services.trainer" in (p.info["cmdline"] or [])
-            and (p.info["environ"] or {}).get("UNICRON_TRAINER_JOB_ID") == job_id
-            and (p.info["environ"] or {}).get("UNICRON_TRAINER_RANK") == "1"
-        ]
+        victims = cluster.trainer_processes(job_id, rank=1)
         assert len(victims) == 1
         victims[0].send_signal(signal.SIGKILL)
         killed_at = time.monotonic()
@@ -117,9 +111,7 @@ def test_killed_trainer_is_restarted_and_the_job_trains_on(cluster: LocalCluster
     assert incident.HasField("resumed") and incident.cost.transition_seconds > 0
     # Cancelled: every trainer of the job is stopped.
     deadline = time.monotonic() + 30
-    while any(
-        (p.info["environ"] or {}).get("UNICRON_TRAINER_JOB_ID") == job_id for p in psutil.process_iter(["environ"])
-    ):
+    while any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in cluster.trainer_processes(job_id)):
         assert time.monotonic() < deadline, "trainers of the cancelled job still running"
         time.sleep(0.5)
 

@@ -16,7 +16,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 
 from tests.e2e.conftest import running
@@ -38,6 +37,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         agents=3,
         slots_per_agent=1,
         fault_injection=True,
+        warm_spares=1,  # restarts take a spare trainer
         extra_env={"UNICRON_TRACE_FILE": str(run_dir / "spans.jsonl")},
     )
     cluster = running(local)
@@ -145,13 +145,7 @@ def test_a_killed_trainer_is_restarted_and_training_goes_on(cluster: LocalCluste
     with UnicronClient(cluster.coordinator) as client:
         before = client.get(LIGHT)
         seen = incident_ids(client, LIGHT)
-        victims = [
-            p
-            for p in psutil.process_iter(["cmdline", "environ"])
-            if "services.trainer" in (p.info["cmdline"] or [])
-            and (p.info["environ"] or {}).get("UNICRON_TRAINER_JOB_ID") == before.job_id
-            and (p.info["environ"] or {}).get("UNICRON_TRAINER_RANK") == "0"
-        ]
+        victims = cluster.trainer_processes(before.job_id, rank=0)
         assert len(victims) == 1
         victims[0].send_signal(signal.SIGKILL)
         incident = newest_incident(client, LIGHT, seen)
