@@ -727,9 +727,27 @@ class Coordinator:
             )
             attempt.started.FromNanoseconds(int(now * 1e9))
             name = ladder.remedy_name(remedy)
+            rank_map: dict[int, int] | None
             if remedy == common_pb2.REMEDY_REATTEMPT:
-                attempt.generation = job.assignment.generation
-                commands = transitions.reattempt(job, incident.incident_id)
+                assignment = self._new_assignment(job, decide.slots_by_node(job))
+                rank_map = decide.kept_in_place(job, assignment, set()) if settings.reform_restarts else None
+                if rank_map is not None:
+                    # The same ranks abort their group and form a new one (a collective error
+                    # can leave the old one unusable), then redo the interrupted iteration.
+                    attempt.generation = assignment.generation
+                    commands = transitions.reform(
+                        job,
+                        assignment,
+                        rank_map,
+                        now,
+                        "reattempt in a new process group",
+                        settings.ack_timeout_s,
+                        incident.incident_id,
+                        unreachable,
+                    )
+                else:
+                    attempt.generation = job.assignment.generation
+                    commands = transitions.reattempt(job, incident.incident_id)
             elif remedy == common_pb2.REMEDY_RESTART:
                 assignment = self._new_assignment(job, decide.slots_by_node(job))
                 attempt.generation = assignment.generation

@@ -154,7 +154,7 @@ def survivor_map(
     ranks = {r for w in job.assignment.workers for r in w.ranks}
     if behind and not ranks <= waiting | gone:
         return None
-    return _kept_in_place(job, assignment, gone)
+    return kept_in_place(job, assignment, gone)
 
 
 def live_map(job: common_pb2.Job, assignment: common_pb2.Assignment) -> dict[int, int] | None:
@@ -163,10 +163,10 @@ def live_map(job: common_pb2.Job, assignment: common_pb2.Assignment) -> dict[int
     None when the job is not simply training (a transition of its own is under way)."""
     if job.state != state.RUNNING:
         return None
-    return _kept_in_place(job, assignment, set())
+    return kept_in_place(job, assignment, set())
 
 
-def _kept_in_place(job: common_pb2.Job, assignment: common_pb2.Assignment, gone: set[int]) -> dict[int, int] | None:
+def kept_in_place(job: common_pb2.Job, assignment: common_pb2.Assignment, gone: set[int]) -> dict[int, int] | None:
     """Maps the live ranks on nodes the new assignment keeps to its ranks there. Whole-model
     ranks only (tensor and pipeline 1: any data-parallel rank's state serves any other);
     None when no rank is kept."""

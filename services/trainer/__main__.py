@@ -38,6 +38,7 @@ The first iteration report after a (re)start or a reform names where the state c
 from __future__ import annotations
 
 import faulthandler
+import gc
 import logging
 import os
 import queue
@@ -45,6 +46,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from enum import Enum
@@ -63,6 +65,7 @@ from unicron.logs import setup_logging
 from unicron.v1 import common_pb2, node_service_pb2, trainer_service_pb2
 
 if TYPE_CHECKING:  # torch and Megatron take seconds to import; config errors come first
+    from services.trainer import reform as reforming
     from services.trainer.gpt import GPTTrainer, ModelConfig, TrainConfig
 
 EXIT_STOPPED = 143
@@ -287,10 +290,14 @@ def wait_for_decision(run: Run, timeout_s: float, poll_s: float = 0.05) -> Decis
         return Decision.REATTEMPT
 
 
-def after_failure(run: Run, exc: BaseException, redoable: bool = True) -> Decision:
+def after_failure(
+    run: Run, exc: BaseException, redoable: bool = True, leave_group: Callable[[], None] | None = None
+) -> Decision:
     """Reports ``exc`` (first, before anything can block) and decides what the rank does next.
     Only a reattemptable (SEV3) error of a step that can be redone waits for the agent, and
-    at most ``max_reattempts`` times for one iteration.
+    at most ``max_reattempts`` times for one iteration. ``leave_group`` (when given) runs
+    before the wait: the rank leaves its process group at once (see reform.park), so that
+    peers waiting on it in a collective fail and report now, not at the collective timeout.
 
     Exception: a SEV3 error while a reform is already pending is not reported; the agent has
     decided already, and the error is most likely the old group breaking as peers leave it for
@@ -323,6 +330,8 @@ def after_failure(run: Run, exc: BaseException, redoable: bool = True) -> Decisi
     if run.reattempt_count >= run.config.max_reattempts:
         log.error("iteration %d failed again after %d reattempts; giving up", step, run.reattempt_count)
         return Decision.GIVE_UP
+    if leave_group is not None:
+        leave_group()
     decision = wait_for_decision(run, run.config.reattempt_wait_s)
     if decision in (Decision.REATTEMPT, Decision.REFORM):
         run.reattempt_count += 1
@@ -358,8 +367,13 @@ def train(run: Run, log: logging.Logger) -> None:
     import torch.distributed as dist
 
     from services.trainer import checkpoint
+    from services.trainer import reform as reforming
     from services.trainer.gpt import GPTTrainer
 
+    # What the imports created lives as long as the process: out of the garbage collector's
+    # sight, a reform's full collection (which frees the old process groups, see
+    # reform.teardown) takes a fraction of the time.
+    gc.freeze()
     config, spec = run.config, run.spec
     use_cuda = torch.cuda.is_available()
     if use_cuda:
@@ -395,6 +409,16 @@ def train(run: Run, log: logging.Logger) -> None:
         run.iteration = trainer.iteration
         run.source = (restored.source, restored.iteration)
         interval = training.checkpoint_interval or DEFAULT_CHECKPOINT_INTERVAL
+        # Whole-model ranks (any data-parallel peer's state serves any other) leave their group
+        # as soon as a step fails; the coordinator answers them with a reform, never with a
+        # reattempt in the old group.
+        whole_model = trainer.tensor_parallel == 1 and trainer.pipeline_parallel == 1
+        parked: reforming.Parked | None = None
+
+        def leave_group() -> None:
+            nonlocal parked
+            parked = reforming.park(trainer)
+
         while run.iteration < training.iterations and not run.stop.is_set():
             reform = poll_reform(run)
             if reform is not None:  # at an iteration boundary: nothing in flight
@@ -405,7 +429,8 @@ def train(run: Run, log: logging.Logger) -> None:
                 run.injector.before_step(run.iteration + 1)
                 result = trainer.step()
             except Exception as exc:
-                decision = after_failure(run, exc, trainer.step_is_redoable)
+                redoable = trainer.step_is_redoable
+                decision = after_failure(run, exc, redoable, leave_group if whole_model and redoable else None)
                 if decision is Decision.GIVE_UP:
                     raise
                 # Not raised again. Dropped here, outside this block its traceback is freed: its
@@ -415,6 +440,8 @@ def train(run: Run, log: logging.Logger) -> None:
             if decision is Decision.STOP:
                 break
             if decision is Decision.REATTEMPT:
+                if parked is not None:
+                    raise RuntimeError("asked to redo the step in a process group this rank has left")
                 # Same iteration again: its data follows from the iteration number.
                 trainer.discard_step()
                 run.source = (SOURCE_LIVE, run.iteration)
@@ -423,7 +450,10 @@ def train(run: Run, log: logging.Logger) -> None:
                 assert run.pending_reform is not None
                 # A step that failed before the update leaves the state as it was: the captured
                 # state drops its partial gradients and the iteration is redone.
-                trainer = apply_reform(run, trainer, run.pending_reform, keep_state=trainer.step_is_redoable)
+                trainer = apply_reform(
+                    run, trainer, run.pending_reform, keep_state=trainer.step_is_redoable, parked=parked
+                )
+                parked = None
                 continue
             run.iteration = result.iteration
             report = node_service_pb2.IterationReport(
@@ -454,7 +484,11 @@ def train(run: Run, log: logging.Logger) -> None:
 
 
 def apply_reform(
-    run: Run, trainer: GPTTrainer, reform: trainer_service_pb2.AgentReform, keep_state: bool
+    run: Run,
+    trainer: GPTTrainer,
+    reform: trainer_service_pb2.AgentReform,
+    keep_state: bool,
+    parked: reforming.Parked | None = None,
 ) -> GPTTrainer:
     """Moves this rank to the new process group of ``reform`` and returns its new trainer
     (``trainer`` is closed). Raises when the new group cannot be formed: the rank then fails
@@ -486,6 +520,7 @@ def apply_reform(
         keep_state=keep_state,
         checkpoint_dir=config.checkpoint_dir,
         corrupt_transfer=config.corrupt_peer_state and run.injector.enabled,
+        parked=parked,
     )
     if run.injector.enabled:
         new.grad_sync_hook = run.injector.in_grad_sync

@@ -164,6 +164,22 @@ def teardown(trainer: GPTTrainer | None) -> str:
     return backend
 
 
+@dataclass(frozen=True)
+class Parked:
+    """A rank that left its process group after an error, its state kept for the next one."""
+
+    snapshot: Snapshot
+    backend: str
+
+
+def park(trainer: GPTTrainer) -> Parked:
+    """Captures ``trainer``'s state and leaves the process group at once, while the decision
+    on the error is awaited: peers blocked in a collective with this rank fail now and report
+    too, and the reform that follows only has to join the new group. ``trainer`` is released."""
+    snapshot = capture(trainer)
+    return Parked(snapshot, teardown(trainer))
+
+
 def join(
     rank: int, world_size: int, master_addr: str, master_port: int, timeout: timedelta | float, backend: str = ""
 ) -> None:
@@ -204,15 +220,21 @@ def reform(
     keep_state: bool = True,
     checkpoint_dir: str = "",
     corrupt_transfer: bool = False,
+    parked: Parked | None = None,
 ) -> tuple[GPTTrainer, checkpoint.Restored]:
     """Moves this rank from its process group to a new one and returns the new trainer and
     where its state came from. ``trainer`` is released (closed, without model and optimizer).
     ``keep_state=False`` (its state is not consistent, e.g. a step failed halfway through the
-    update) makes it a receiver. ``timeout``: of the new group and of Megatron's groups in it."""
+    update) makes it a receiver. ``timeout``: of the new group and of Megatron's groups in it.
+    ``parked``: the rank left its group already (``park``); its state is the parked one."""
     if not isinstance(timeout, timedelta):
         timeout = timedelta(seconds=timeout)
-    snapshot = capture(trainer) if keep_state else None
-    backend = teardown(trainer)
+    snapshot: Snapshot | None
+    if parked is not None:
+        snapshot, backend = parked.snapshot, parked.backend
+    else:
+        snapshot = capture(trainer) if keep_state else None
+        backend = teardown(trainer)
     log.info(
         "joining a new process group",
         extra={"rank": new_rank, "world_size": new_world, "master": f"{master_addr}:{master_port}"},

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from services.coordinator import decide
 from tests.e2e.conftest import running
 from unicron import jobspec
 from unicron.client import UnicronClient
@@ -166,6 +167,7 @@ def test_a_killed_trainer_is_restarted_and_training_goes_on(cluster: LocalCluste
 def test_a_sev3_fault_is_reattempted_in_place(cluster: LocalCluster) -> None:
     with UnicronClient(cluster.coordinator) as client:
         before = client.get(HEAVY)
+        pids = sorted(p.pid for p in cluster.trainer_processes(before.job_id))
         seen = incident_ids(client, HEAVY)
         inject(cluster, HEAVY, "exception:collective_timeout", rank=1)
         incident = newest_incident(client, HEAVY, seen)
@@ -173,8 +175,11 @@ def test_a_sev3_fault_is_reattempted_in_place(cluster: LocalCluster) -> None:
         incident = next(i for i in client.incidents(after.job_id) if i.incident_id == incident.incident_id)
     assert incident.kind == common_pb2.FAILURE_KIND_COLLECTIVE_TIMEOUT
     assert incident.remedy == common_pb2.REMEDY_REATTEMPT and incident.HasField("resumed")
-    # No process restarted: same generation, and the iteration count never went back.
-    assert after.assignment.generation == before.assignment.generation
+    # The same processes formed a new process group (a new generation, same placement), and
+    # the iteration count never went back.
+    assert sorted(p.pid for p in cluster.trainer_processes(after.job_id)) == pids and len(pids) == 2
+    assert after.assignment.generation == before.assignment.generation + 1
+    assert decide.slots_by_node(after) == decide.slots_by_node(before)
     assert after.progress.iteration > before.progress.iteration
     assert "state: live" in next(c.reason for c in reversed(after.history) if "resumed" in c.reason)
     check_trace(cluster, incident, "reattempt")

@@ -10,6 +10,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from services.coordinator import decide
 from services.coordinator.coordinator import Coordinator, Settings
 from services.coordinator.planner_client import PlannerClient
 from services.coordinator.store import Store
@@ -215,7 +216,7 @@ def test_a_network_error_waits_briefly_for_the_failure_that_explains_it(
 
 
 def test_a_network_error_alone_is_reattempted_after_the_hold(control_plane: ControlPlane, clock: FakeClock) -> None:
-    job, _ = scheduled_job(control_plane)
+    job, cursors = scheduled_job(control_plane)
     worker = job.assignment.workers[0]
     control_plane.node_stub().ReportFailure(reset_report(job, worker.ranks[0], worker.node_id, clock()), timeout=5)
     control_plane.coordinator.reconcile_once()
@@ -226,23 +227,34 @@ def test_a_network_error_alone_is_reattempted_after_the_hold(control_plane: Cont
     with control_plane.client() as client:
         after = client.get(job.job_id)
     assert [a.remedy for a in after.remedies] == [common_pb2.REMEDY_REATTEMPT]
-    assert after.assignment.generation == 1 and after.state == common_pb2.JOB_STATE_RECOVERING
+    assert after.state == common_pb2.JOB_STATE_RECOVERING
+    # The same ranks on the same nodes form a new process group: a new generation.
+    assert after.assignment.generation == 2 and after.remedies[0].generation == 2
+    assert decide.slots_by_node(after) == decide.slots_by_node(job)
+    _start, command = commands_for(control_plane, worker.node_id, cursors[worker.node_id], 2)
+    assert dict(command.reform.rank_map) == {r: r for w in job.assignment.workers for r in w.ranks}
 
 
-def test_a_dead_rank_whose_peers_wait_is_restarted_alone_with_their_state(
-    control_plane: ControlPlane, clock: FakeClock
+@pytest.mark.parametrize("peers_report", [True, False])
+def test_a_dead_rank_is_restarted_alone_and_its_peers_keep_their_state(
+    control_plane: ControlPlane, clock: FakeClock, peers_report: bool
 ) -> None:
+    """Whether or not the peers reported their broken collective before the hold ended: a
+    silent peer's collective breaks as the others leave the old group, so it is kept too."""
     job, cursors = scheduled_job(control_plane)
     stub = control_plane.node_stub()
     victim_node = job.assignment.workers[1]
     victim = victim_node.ranks[0]
     for worker in job.assignment.workers:
         for rank in worker.ranks:
-            if rank != victim:
+            if rank != victim and peers_report:
                 stub.ReportFailure(reset_report(job, rank, worker.node_id, clock()), timeout=5)
     request = exit_report(job, 1, code=1)
     request.node_id, request.rank = victim_node.node_id, victim
     stub.ReportWorkerExit(request, timeout=5)
+    if not peers_report:  # the exit alone waits out the hold for its peers' reports
+        clock.advance(0.5)
+        control_plane.coordinator.reconcile_once()
     with control_plane.client() as client:
         after = client.get(job.job_id)
     assert [a.remedy for a in after.remedies] == [common_pb2.REMEDY_RESTART]
