@@ -176,6 +176,9 @@ class LocalCluster:
                         "--fault-injection" if self.fault_injection else "--no-fault-injection",
                         "--warm-spares",
                         str(self.warm_spares),
+                        # Per cluster: agents of two clusters on one machine share node ids.
+                        "--snapshot-dir",
+                        str(self.run_dir / "snapshots" / node_id),
                         *self.agent_args,
                     ],
                     bind="127.0.0.1:0",

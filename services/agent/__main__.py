@@ -30,6 +30,10 @@ class AgentConfig:
     # nodes of a job must see the same directory: a shared filesystem in a real cluster;
     # by default <work_dir>/checkpoints, which agents on one machine share.
     checkpoint_dir: str = ""
+    # Where trainers keep in-memory snapshots of their state for restarts (a directory per
+    # job): by default /dev/shm/unicron/<node_id> (memory), or <work_dir>/<node_id>/snapshots
+    # without /dev/shm; "none" turns snapshots off.
+    snapshot_dir: str = ""
     stop_grace_s: float = 5.0
     fault_injection: bool = False
     # Statistical monitoring (hangs, stragglers); off only to measure what it costs.
@@ -58,6 +62,15 @@ class AgentConfig:
         require(self.hang_warmup_iterations >= 1, "hang_warmup_iterations", "must be at least 1")
 
 
+def snapshot_root(config: AgentConfig, work_dir: Path) -> Path | None:
+    if config.snapshot_dir == "none":
+        return None
+    if config.snapshot_dir:
+        return Path(config.snapshot_dir)
+    shm = Path("/dev/shm")
+    return shm / "unicron" / config.node_id if shm.is_dir() else work_dir / "snapshots"
+
+
 def setup(config: AgentConfig, server: rpc.Server, log: logging.Logger) -> Callable[[], None]:
     work_dir = Path(config.work_dir) / config.node_id
     work_dir.mkdir(parents=True, exist_ok=True)
@@ -68,6 +81,7 @@ def setup(config: AgentConfig, server: rpc.Server, log: logging.Logger) -> Calla
             failure_domain=config.failure_domain,
             work_dir=work_dir,
             checkpoint_dir=Path(config.checkpoint_dir or Path(config.work_dir) / "checkpoints"),
+            snapshot_dir=snapshot_root(config, work_dir),
             stop_grace_s=config.stop_grace_s,
             fault_injection=config.fault_injection,
             monitoring=config.monitor,

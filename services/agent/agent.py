@@ -9,6 +9,7 @@ import functools
 import logging
 import os
 import queue
+import shutil
 import signal
 import sys
 import threading
@@ -64,6 +65,9 @@ class AgentSettings:
     failure_domain: str
     work_dir: Path
     checkpoint_dir: Path | None = None
+    # Where this node's trainers keep in-memory snapshots of their state (a directory per
+    # job; a tmpfs such as /dev/shm). None: no snapshots.
+    snapshot_dir: Path | None = None
     stop_grace_s: float = 5.0
     fault_injection: bool = False
     monitoring: bool = True
@@ -176,6 +180,9 @@ class Agent:
         self._stop.set()
         self.supervisor.close()
         self.supervisor.stop(grace_s=self.settings.stop_grace_s)
+        if self.settings.snapshot_dir is not None:
+            # The node goes out of service: its trainers' snapshots are memory to give back.
+            shutil.rmtree(self.settings.snapshot_dir, ignore_errors=True)
         for thread in self._threads:
             thread.join(timeout=2)
 
@@ -476,6 +483,8 @@ class Agent:
             )
             if self.settings.checkpoint_dir is not None:
                 env["UNICRON_TRAINER_CHECKPOINT_DIR"] = str(self.settings.checkpoint_dir / start.job_id)
+            if self.settings.snapshot_dir is not None:
+                env["UNICRON_TRAINER_SNAPSHOT_DIR"] = str(self.settings.snapshot_dir / start.job_id)
             env.update(extra_env or {})
             self.supervisor.launch(key, self.settings.trainer_command, env)
 
@@ -679,6 +688,9 @@ class Agent:
         request.exited.FromNanoseconds(int(exit.exited_at * 1e9))
         if not self.supervisor.running(exit.key.job_id):
             self._forget_job(exit.key.job_id)
+            if exit.exit_code == 0 and exit.signal == 0 and self.settings.snapshot_dir is not None:
+                # Finished: its snapshots are memory no restart will need.
+                shutil.rmtree(self.settings.snapshot_dir / exit.key.job_id, ignore_errors=True)
         if exit.exit_code == 0 and exit.signal == 0:
             self._reports.put(request)  # after the rank's last iteration reports
         else:

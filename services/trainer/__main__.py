@@ -90,6 +90,10 @@ class TrainerConfig:
     log_level: str = "info"
     # Per-job directory shared by the job's ranks; empty: no persistent checkpoints.
     checkpoint_dir: str = ""
+    # Per-job directory on this node, in memory (tmpfs), where ranks keep snapshots of their
+    # state every snapshot_interval iterations for a restart; empty: no snapshots.
+    snapshot_dir: str = ""
+    snapshot_interval: int = 2
     # After a reattemptable error: how long to wait for the agent's decision, and how many
     # times one iteration may be reattempted before the rank gives up.
     reattempt_wait_s: float = 60.0
@@ -109,6 +113,7 @@ class TrainerConfig:
         require(0 < self.master_port < 65536, "master_port", "must be a TCP port")
         require(self.reattempt_wait_s >= 0, "reattempt_wait_s", "must not be negative")
         require(self.max_reattempts >= 0, "max_reattempts", "must not be negative")
+        require(self.snapshot_interval >= 0, "snapshot_interval", "must not be negative (0: no snapshots)")
 
 
 class Decision(Enum):
@@ -368,6 +373,7 @@ def train(run: Run, log: logging.Logger) -> None:
 
     from services.trainer import checkpoint
     from services.trainer import reform as reforming
+    from services.trainer import snapshot as snapshots
     from services.trainer.gpt import GPTTrainer
 
     # What the imports created lives as long as the process: out of the garbage collector's
@@ -399,16 +405,14 @@ def train(run: Run, log: logging.Logger) -> None:
             trainer.grad_sync_hook = run.injector.in_grad_sync
         log.info("model ready", extra={"rank": config.rank, "world_size": config.world_size})
         if config.state_from_peer:
-            from services.trainer.reform import receive_state
-
-            restored = receive_state(trainer, config.checkpoint_dir)
-        elif config.checkpoint_dir:
-            restored = checkpoint.restore(trainer, config.checkpoint_dir)
+            restored = reforming.receive_state(trainer, config.checkpoint_dir, config.snapshot_dir)
         else:
-            restored = checkpoint.Restored(checkpoint.SOURCE_FRESH, 0)
+            restored = snapshots.restore_nearest(trainer, config.checkpoint_dir, config.snapshot_dir)
         run.iteration = trainer.iteration
         run.source = (restored.source, restored.iteration)
         interval = training.checkpoint_interval or DEFAULT_CHECKPOINT_INTERVAL
+        every = config.snapshot_interval if config.snapshot_dir else 0
+        writer = snapshots.SnapshotWriter(config.snapshot_dir, run.rank, every)
         # Whole-model ranks (any data-parallel peer's state serves any other) leave their group
         # as soon as a step fails; the coordinator answers them with a reform, never with a
         # reattempt in the old group.
@@ -423,6 +427,7 @@ def train(run: Run, log: logging.Logger) -> None:
             reform = poll_reform(run)
             if reform is not None:  # at an iteration boundary: nothing in flight
                 trainer = apply_reform(run, trainer, reform, keep_state=True)
+                writer = snapshots.SnapshotWriter(config.snapshot_dir, run.rank, every)
                 continue
             decision: Decision | None = None
             try:
@@ -454,6 +459,7 @@ def train(run: Run, log: logging.Logger) -> None:
                     run, trainer, run.pending_reform, keep_state=trainer.step_is_redoable, parked=parked
                 )
                 parked = None
+                writer = snapshots.SnapshotWriter(config.snapshot_dir, run.rank, every)
                 continue
             run.iteration = result.iteration
             report = node_service_pb2.IterationReport(
@@ -473,6 +479,7 @@ def train(run: Run, log: logging.Logger) -> None:
             run.link.send(trainer_service_pb2.ConnectRequest(iteration=report))
             if config.checkpoint_dir and run.iteration % interval == 0:
                 checkpoint.save(trainer, config.checkpoint_dir)
+            writer.after_iteration(trainer)
         trainer.close()
     except BaseException as exc:
         if exc is not run.reported:
@@ -521,6 +528,7 @@ def apply_reform(
         checkpoint_dir=config.checkpoint_dir,
         corrupt_transfer=config.corrupt_peer_state and run.injector.enabled,
         parked=parked,
+        snapshot_dir=config.snapshot_dir,
     )
     if run.injector.enabled:
         new.grad_sync_hook = run.injector.in_grad_sync

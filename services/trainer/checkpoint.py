@@ -305,7 +305,7 @@ def prune(root: str | Path, newest: int, keep: int = KEEP) -> list[int]:
     return deleted
 
 
-def _flag_device() -> torch.device:
+def flag_device() -> torch.device:
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -351,7 +351,7 @@ def save(trainer: GPTTrainer, root: str | Path) -> bool:
     return True
 
 
-def _fits(current: dict[str, Any]) -> Callable[[dict[str, Any]], None]:
+def fits(current: dict[str, Any]) -> Callable[[dict[str, Any]], None]:
     """A check that a shard's state has exactly this rank's parameter names and shapes."""
     model = {k: tuple(v.shape) for k, v in current["model"].items() if isinstance(v, torch.Tensor)}
     groups = [len(g["params"]) for g in current["optimizer"].get("param_groups", [])]
@@ -383,10 +383,10 @@ def restore(trainer: GPTTrainer, root: str | Path) -> Restored:
     candidates: list[int] = holder[0]
     layout = layout_of(trainer)
     tp_rank, pp_rank = trainer.shard
-    check = _fits(trainer.state_dict())
+    check = fits(trainer.state_dict())
     for iteration in candidates:
         payload = try_shard(root, iteration, layout, tp_rank, pp_rank, check)
-        flag = torch.tensor([0 if payload is None else 1], dtype=torch.int32, device=_flag_device())
+        flag = torch.tensor([0 if payload is None else 1], dtype=torch.int32, device=flag_device())
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         if int(flag.item()) == 1 and payload is not None:
             state = {"model": payload["model"], "optimizer": payload["optimizer"], "iteration": iteration}

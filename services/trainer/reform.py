@@ -68,6 +68,7 @@ import torch.distributed as dist
 
 from services.trainer import checkpoint
 from services.trainer.gpt import GPTTrainer
+from services.trainer.snapshot import restore_nearest
 
 # isort: split
 from megatron.core import parallel_state
@@ -221,6 +222,7 @@ def reform(
     checkpoint_dir: str = "",
     corrupt_transfer: bool = False,
     parked: Parked | None = None,
+    snapshot_dir: str = "",
 ) -> tuple[GPTTrainer, checkpoint.Restored]:
     """Moves this rank from its process group to a new one and returns the new trainer and
     where its state came from. ``trainer`` is released (closed, without model and optimizer).
@@ -241,13 +243,13 @@ def reform(
     )
     join(new_rank, new_world, master_addr, master_port, timeout, backend)
     new = rebuild(trainer, timeout)
-    restored = exchange_state(new, snapshot, checkpoint_dir, corrupt_transfer=corrupt_transfer)
+    restored = exchange_state(new, snapshot, checkpoint_dir, corrupt_transfer, snapshot_dir)
     return new, restored
 
 
-def receive_state(trainer: GPTTrainer, checkpoint_dir: str = "") -> checkpoint.Restored:
+def receive_state(trainer: GPTTrainer, checkpoint_dir: str = "", snapshot_dir: str = "") -> checkpoint.Restored:
     """The part of a rank without state in ``exchange_state`` (collective)."""
-    return exchange_state(trainer, None, checkpoint_dir)
+    return exchange_state(trainer, None, checkpoint_dir, snapshot_dir=snapshot_dir)
 
 
 @dataclass(frozen=True)
@@ -326,7 +328,11 @@ def _broadcast_snapshot(snapshot: Snapshot | None, src: int, iteration: int, cor
 
 
 def exchange_state(
-    trainer: GPTTrainer, snapshot: Snapshot | None, checkpoint_dir: str = "", corrupt_transfer: bool = False
+    trainer: GPTTrainer,
+    snapshot: Snapshot | None,
+    checkpoint_dir: str = "",
+    corrupt_transfer: bool = False,
+    snapshot_dir: str = "",
 ) -> checkpoint.Restored:
     """Collective over the current world: makes every rank's ``trainer`` hold the newest state
     any rank holds (see the module docstring) and returns where this rank's came from."""
@@ -349,7 +355,7 @@ def exchange_state(
             if snapshot is None or snapshot.iteration != plan.target:  # cannot happen by the plan
                 raise StateError(f"no state of iteration {plan.target} here")
             state = snapshot.decode()
-            checkpoint._fits(trainer.state_dict())(state)
+            checkpoint.fits(trainer.state_dict())(state)
         except (StateError, checkpoint.CheckpointError) as exc:
             problem = f"rank {rank}: {exc}"
             log.error("%s state is unusable: %s", source, exc)
@@ -365,10 +371,7 @@ def exchange_state(
             )
         return checkpoint.Restored(source, plan.target)
     log.warning(
-        "the state cannot come from live peers (%s); falling back to %s",
+        "the state cannot come from live peers (%s); falling back to the node's snapshot or the checkpoint",
         problem or "another rank's state is unusable",
-        "the persistent checkpoint" if checkpoint_dir else "a fresh model (no checkpoint directory)",
     )
-    if checkpoint_dir:
-        return checkpoint.restore(trainer, checkpoint_dir)
-    return checkpoint.Restored(checkpoint.SOURCE_FRESH, 0)
+    return restore_nearest(trainer, checkpoint_dir, snapshot_dir)

@@ -1,0 +1,190 @@
+"""In-memory snapshots of a rank's training state, kept on its node by the agent: the middle
+state source of a restarted rank, between a live peer and the persistent checkpoint.
+
+Every ``every`` iterations a rank copies its state (serialized in memory, which is the copy)
+and a background thread writes it, with its sha256, under the directory the agent gives it
+(a tmpfs such as /dev/shm by default: memory that outlives the trainer process)::
+
+    <dir>/rank3/iter_00000042.snap     torch.save of {iteration, layout, shard, model, optimizer}
+    <dir>/rank3/iter_00000042.sha256   written after the data; its presence makes it complete
+
+Each rank keeps its two newest. Restoring is collective: every rank lists the complete
+snapshots of its (tensor, pipeline) shard written on its node by any rank (data-parallel
+peers hold the same slice), the ranks agree on the newest iteration all of them have, and
+each verifies its copy (sha256, model shape); one ``all_reduce(MIN)`` makes the verdict
+common. A bad copy drops that iteration and the next older common one is tried; with none,
+the caller falls back to the checkpoint. Nothing here raises on a bad copy."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import re
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from services.trainer import checkpoint
+
+if TYPE_CHECKING:
+    from services.trainer.gpt import GPTTrainer
+
+log = logging.getLogger(__name__)
+
+SOURCE_SNAPSHOT = "snapshot"
+KEEP = 2
+_NAME_RE = re.compile(r"^iter_(\d+)\.snap$")
+
+
+def _paths(directory: Path, iteration: int) -> tuple[Path, Path]:
+    stem = directory / f"iter_{iteration:08d}"
+    return stem.with_suffix(".snap"), stem.with_suffix(".sha256")
+
+
+class SnapshotWriter:
+    """Writes this rank's snapshots in the background; at most one write in flight (a snapshot
+    due while the previous one is still being written is skipped, not queued)."""
+
+    def __init__(self, root: str | Path, rank: int, every: int) -> None:
+        self._dir = Path(root) / f"rank{rank}"
+        self._every = every
+        self._busy = threading.Lock()
+
+    def after_iteration(self, trainer: GPTTrainer) -> bool:
+        """Snapshots ``trainer`` if its iteration is due and no write is in flight; returns
+        whether it started one."""
+        if self._every <= 0 or trainer.iteration % self._every or not self._busy.acquire(blocking=False):
+            return False
+        try:
+            data = _serialize(trainer)
+        except Exception as exc:  # noqa: BLE001 - a snapshot is an optimization; training goes on
+            self._busy.release()
+            log.warning("snapshot at iteration %d not taken: %s", trainer.iteration, exc)
+            return False
+        threading.Thread(target=self._write, args=(trainer.iteration, data), name="snapshot", daemon=True).start()
+        return True
+
+    def wait(self, timeout_s: float = 30.0) -> None:
+        """Until the write in flight (if any) is done."""
+        if self._busy.acquire(timeout=timeout_s):
+            self._busy.release()
+
+    def _write(self, iteration: int, data: bytes) -> None:
+        try:
+            self._dir.mkdir(parents=True, exist_ok=True)
+            snap, digest = _paths(self._dir, iteration)
+            snap.write_bytes(data)
+            digest.write_text(hashlib.sha256(data).hexdigest())
+            for old in sorted(_iterations(self._dir), reverse=True)[KEEP:]:
+                for path in _paths(self._dir, old):
+                    path.unlink(missing_ok=True)
+        except OSError as exc:
+            log.warning("snapshot at iteration %d not written: %s", iteration, exc)
+        finally:
+            self._busy.release()
+
+
+def _serialize(trainer: GPTTrainer) -> bytes:
+    state = trainer.state_dict()
+    buffer = io.BytesIO()
+    torch.save(
+        {
+            "iteration": trainer.iteration,
+            "layout": checkpoint.layout_of(trainer).as_dict(),
+            "shard": list(trainer.shard),
+            "model": state["model"],
+            "optimizer": state["optimizer"],
+        },
+        buffer,
+    )
+    return buffer.getvalue()
+
+
+def _iterations(directory: Path) -> list[int]:
+    """Iterations with a complete snapshot (data and digest) in one rank's directory."""
+    if not directory.is_dir():
+        return []
+    found = []
+    for path in directory.iterdir():
+        match = _NAME_RE.match(path.name)
+        if match and _paths(directory, int(match.group(1)))[1].is_file():
+            found.append(int(match.group(1)))
+    return found
+
+
+def _holders(root: Path) -> dict[int, list[Path]]:
+    """Iteration -> the rank directories on this node with a complete snapshot of it."""
+    out: dict[int, list[Path]] = {}
+    if root.is_dir():
+        for directory in sorted(root.glob("rank*")):
+            for iteration in _iterations(directory):
+                out.setdefault(iteration, []).append(directory)
+    return out
+
+
+def _load(directory: Path, iteration: int, trainer: GPTTrainer) -> dict[str, Any]:
+    """The verified snapshot of ``iteration`` in ``directory`` for ``trainer``'s shard; raises
+    CheckpointError when it is corrupt or of another model, split or shard."""
+    snap, digest = _paths(directory, iteration)
+    try:
+        data, want = snap.read_bytes(), digest.read_text().strip()
+    except OSError as exc:
+        raise checkpoint.CheckpointError(f"{snap} unreadable: {exc.strerror or exc}") from None
+    got = hashlib.sha256(data).hexdigest()
+    if got != want:
+        raise checkpoint.CheckpointError(f"{snap} is corrupt: sha256 {got[:12]}.., recorded {want[:12]}..")
+    try:
+        payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any decoding failure makes the copy unusable
+        raise checkpoint.CheckpointError(f"{snap} cannot be decoded: {exc}") from None
+    if payload.get("layout") != checkpoint.layout_of(trainer).as_dict() or payload.get("shard") != list(trainer.shard):
+        raise checkpoint.CheckpointError(f"{snap} is of another model, split or shard")
+    if payload.get("iteration") != iteration:
+        raise checkpoint.CheckpointError(f"{snap} holds iteration {payload.get('iteration')}")
+    checkpoint.fits(trainer.state_dict())(payload)
+    return payload
+
+
+def restore(trainer: GPTTrainer, root: str | Path, newer_than: int = 0) -> checkpoint.Restored | None:
+    """Collective: loads the newest snapshot beyond iteration ``newer_than`` that every rank
+    has good on its node into ``trainer``; None (trainer untouched) when there is none."""
+    holders = {i: dirs for i, dirs in _holders(Path(root)).items() if i > newer_than}
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, sorted(holders))
+    common = set.intersection(*(set(g) for g in gathered)) if gathered else set()
+    for iteration in sorted(common, reverse=True):
+        payload = None
+        for directory in holders[iteration]:
+            try:
+                payload = _load(directory, iteration, trainer)
+                break
+            except checkpoint.CheckpointError as exc:
+                log.warning("snapshot unusable: %s; trying another copy", exc)
+        flag = torch.tensor([0 if payload is None else 1], dtype=torch.int32, device=checkpoint.flag_device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        if int(flag.item()) == 1 and payload is not None:
+            trainer.load_state_dict(
+                {"model": payload["model"], "optimizer": payload["optimizer"], "iteration": iteration}
+            )
+            log.info("resumed from an in-memory snapshot", extra={"iteration": iteration})
+            return checkpoint.Restored(SOURCE_SNAPSHOT, iteration)
+        log.warning("snapshot of iteration %d is not good on every rank; trying an older one", iteration)
+    return None
+
+
+def restore_nearest(trainer: GPTTrainer, checkpoint_dir: str = "", snapshot_dir: str = "") -> checkpoint.Restored:
+    """Collective: the state of a rank without a live peer to take it from, nearest first: the
+    node's in-memory snapshot when it is newer than the newest persistent checkpoint, else the
+    checkpoint, else a fresh model."""
+    if snapshot_dir:
+        newest = max(checkpoint.list_complete(checkpoint_dir), default=0) if checkpoint_dir else 0
+        restored = restore(trainer, snapshot_dir, newer_than=newest)
+        if restored is not None:
+            return restored
+    if checkpoint_dir:
+        return checkpoint.restore(trainer, checkpoint_dir)
+    return checkpoint.Restored(checkpoint.SOURCE_FRESH, 0)

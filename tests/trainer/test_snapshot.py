@@ -1,0 +1,137 @@
+"""In-memory snapshots (services/trainer/snapshot.py), world 1 in this process: a restart from
+the node's snapshot is exact, beats an older checkpoint, and a corrupt or foreign snapshot falls
+back (to an older snapshot, then the checkpoint) without raising. The real trainer takes its
+state this way when no live peer is left (the end-to-end self-healing tests)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from services.trainer import checkpoint, snapshot
+from services.trainer.gpt import GPTTrainer, ModelConfig
+from tests.trainer.harness import relative_difference, tiny_spec, trainer_configs
+
+SPEC = tiny_spec(iterations=6)
+MODEL, TRAIN = trainer_configs(SPEC)
+
+
+@pytest.fixture
+def world1(tmp_path: Path) -> Iterator[None]:
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _params(trainer: GPTTrainer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in trainer.model.state_dict().items() if isinstance(v, torch.Tensor)}
+
+
+def _run_until(steps: int, snaps: Path, ckpt: Path, checkpoint_at: int, every: int = 1) -> list[float]:
+    """Trains a fresh trainer for ``steps`` iterations, snapshotting every ``every`` and saving a
+    checkpoint after ``checkpoint_at``; the process "dies" after that (the trainer is dropped)."""
+    trainer = GPTTrainer(MODEL, TRAIN)
+    writer = snapshot.SnapshotWriter(snaps, rank=0, every=every)
+    losses = []
+    try:
+        for _ in range(steps):
+            losses.append(trainer.step().loss)
+            if trainer.iteration == checkpoint_at:
+                assert checkpoint.save(trainer, ckpt)
+            writer.after_iteration(trainer)
+            writer.wait()
+    finally:
+        trainer.close()
+    return losses
+
+
+def test_a_restart_takes_the_newer_snapshot_and_ends_exactly_where_a_straight_run_does(
+    world1: None, tmp_path: Path
+) -> None:
+    snaps, ckpt = tmp_path / "snaps", tmp_path / "ckpt"
+    straight = GPTTrainer(MODEL, TRAIN)
+    try:
+        straight_losses = [straight.step().loss for _ in range(6)]
+        straight_params = _params(straight)
+    finally:
+        straight.close()
+
+    losses = _run_until(4, snaps, ckpt, checkpoint_at=2)
+    # Two kept per rank; each complete with its digest.
+    assert sorted(p.name for p in (snaps / "rank0").iterdir()) == [
+        "iter_00000003.sha256",
+        "iter_00000003.snap",
+        "iter_00000004.sha256",
+        "iter_00000004.snap",
+    ]
+    resumed = GPTTrainer(MODEL, TRAIN)
+    try:
+        restored = snapshot.restore_nearest(resumed, str(ckpt), str(snaps))
+        assert restored == checkpoint.Restored(snapshot.SOURCE_SNAPSHOT, 4)
+        losses += [resumed.step().loss for _ in range(2)]
+        params = _params(resumed)
+    finally:
+        resumed.close()
+    assert losses == straight_losses
+    assert relative_difference(params, straight_params) <= 1e-6
+
+
+def test_a_corrupt_snapshot_falls_back_to_an_older_one_then_to_the_checkpoint(
+    world1: None, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    snaps, ckpt = tmp_path / "snaps", tmp_path / "ckpt"
+    _run_until(4, snaps, ckpt, checkpoint_at=2)
+    newest = snaps / "rank0" / "iter_00000004.snap"
+    newest.write_bytes(newest.read_bytes()[:-50])
+    trainer = GPTTrainer(MODEL, TRAIN)
+    try:
+        with caplog.at_level(logging.WARNING):
+            assert snapshot.restore_nearest(trainer, str(ckpt), str(snaps)) == checkpoint.Restored("snapshot", 3)
+        assert "corrupt" in caplog.text
+        older = snaps / "rank0" / "iter_00000003.snap"
+        older.write_bytes(b"garbage")
+        assert snapshot.restore_nearest(trainer, str(ckpt), str(snaps)) == checkpoint.Restored("checkpoint", 2)
+    finally:
+        trainer.close()
+
+
+def test_a_snapshot_no_newer_than_the_checkpoint_or_of_another_model_is_not_used(world1: None, tmp_path: Path) -> None:
+    snaps, ckpt = tmp_path / "snaps", tmp_path / "ckpt"
+    _run_until(4, snaps, ckpt, checkpoint_at=4, every=2)
+    trainer = GPTTrainer(MODEL, TRAIN)
+    try:
+        assert snapshot.restore_nearest(trainer, str(ckpt), str(snaps)) == checkpoint.Restored("checkpoint", 4)
+    finally:
+        trainer.close()
+    other = GPTTrainer(
+        ModelConfig(num_layers=1, hidden_size=16, num_attention_heads=2, seq_length=16, vocab_size=64), TRAIN
+    )
+    try:
+        assert snapshot.restore(other, snaps) is None
+        assert snapshot.restore_nearest(other, "", str(snaps)) == checkpoint.Restored("fresh", 0)
+    finally:
+        other.close()
+
+
+def test_a_snapshot_due_while_one_is_being_written_is_skipped(world1: None, tmp_path: Path) -> None:
+    trainer = GPTTrainer(MODEL, TRAIN)
+    writer = snapshot.SnapshotWriter(tmp_path, rank=0, every=2)
+    try:
+        trainer.step()
+        assert not writer.after_iteration(trainer)  # iteration 1: not due
+        trainer.step()
+        writer._busy.acquire()  # a write in flight
+        assert not writer.after_iteration(trainer)
+        writer._busy.release()
+        assert writer.after_iteration(trainer)
+        writer.wait()
+    finally:
+        trainer.close()
+    assert (tmp_path / "rank0" / "iter_00000002.sha256").is_file()
