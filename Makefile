@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 GEN_STAMP := unicron/v1/.generated
 PROTOS := $(wildcard proto/unicron/v1/*.proto)
 
-.PHONY: all venv gen redis demo test test-unit lint fmt clean bench-planner bench-detect bench-transition
+.PHONY: all venv gen redis demo test test-unit lint fmt clean bench-planner bench-detect bench-transition bench-sim
 
 all: test
 
@@ -51,6 +51,9 @@ bench-detect: gen redis
 
 bench-transition: gen redis
 	$(PY) -m bench.transition
+
+bench-sim: gen
+	$(PY) -m bench.sim
 
 lint: gen
 	$(PY) -m ruff check .

@@ -21,6 +21,7 @@ from unicron import failures, jobspec
 from unicron.client import DEFAULT_COORDINATOR, ClientError, UnicronClient
 from unicron.errors import InvalidArgument, UnicronError
 from unicron.faults import FAULT_NAMES, parse_fault
+from unicron.sim import cli as simulate_cli
 from unicron.v1 import common_pb2, job_service_pb2
 
 EXIT_USAGE = 2
@@ -323,10 +324,13 @@ def build_parser() -> argparse.ArgumentParser:
     inject.add_argument("job", help="job id or name")
     inject.add_argument("fault", help="what to inject, e.g. crash@5 or exception:ecc_error")
     inject.add_argument("--rank", type=int, default=0, help="rank that misbehaves (default 0)")
+    simulate_cli.add_parser(sub)
     return parser
 
 
 def run(args: argparse.Namespace, out: TextIO) -> int:
+    if args.command == "simulate":  # in process: no coordinator needed
+        return simulate_cli.run(args, out)
     with UnicronClient(args.coordinator) as client:
         if args.command == "submit":
             job = client.submit(jobspec.normalized(jobspec.load_spec_file(args.spec)))

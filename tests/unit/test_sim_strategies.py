@@ -127,7 +127,7 @@ def test_checkpoint_restart_waits_for_the_repair_without_spares() -> None:
     trace = [traces.FailureEvent(1000.0, 0, pb.FAILURE_KIND_ECC_ERROR, 7200.0)]
     result = runner.simulate_one(CLUSTER, trace, traces.DAY_S, "megatron-cr", _config())
     job = CLUSTER.jobs[0]
-    out = 7200.0 + CheckpointSettings().resubmit_s
+    out = 7200.0 + strategies.CheckpointSettings().resubmit_s
     lost = job.waf(job.start_nodes * model.GPUS_PER_NODE) * out
     assert result.failure_free_waf_seconds - result.waf_seconds == pytest.approx(lost)
 
@@ -138,6 +138,3 @@ def test_ablation_shrinks_alone_and_grows_back() -> None:
     assert result.counters["shrink"] == 1 and result.counters["grow back"] == 1
     assert [i.kind for i in result.incidents] == ["ecc_error", "replan"]
     assert result.incidents[0].sub_healthy_ws > 0
-
-
-CheckpointSettings = strategies.CheckpointSettings

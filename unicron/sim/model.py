@@ -1,0 +1,233 @@
+"""The modeled cluster: nodes of 8 GPUs, jobs with sizes, weights and throughput profiles.
+
+Jobs. Every job is a Megatron-style GPT run with tensor parallelism 8 (one TP group fills one
+node, as large-model runs place it), pipeline degree ``pipeline`` and a data-parallel degree
+between ``min_dp`` and ``max_dp``; it starts at ``start_dp``. A data-parallel replica is
+``pipeline`` whole nodes, so a job always holds whole nodes: ``pipeline * dp`` of them. Losing
+one node costs a whole replica (the replica's other nodes idle until the plan changes).
+
+Throughput profile. T(x) for every allowed size comes from the planner's own estimate
+(``services.planner.domain.ThroughputEstimate``: 6 x parameters x tokens per step, 40% MFU on
+H100 bf16 peak, an exposed ring all-reduce of fp32 gradients), so it is sub-linear in the
+data-parallel degree exactly as the planner assumes; parameters come from the model shape by
+the project's formula (``unicron.jobspec.model_parameters``). The profile is handed to the
+planner as a measured profile (sizes -> FLOP/s), which also lists the sizes a job may take.
+
+Workloads (``workload``): the 128-GPU cluster runs four jobs of 1.3B-13B parameters with
+different weights; larger clusters run a mix of 405B-, 70B- and 8B-class jobs (Llama-3-like
+shapes) sized in proportion to the cluster, with about 2% of the nodes left as hot spares.
+Every large job can shrink by up to 8 data-parallel replicas (and the smaller ones grow by 2),
+so a job that loses nodes keeps training smaller while they are repaired.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cached_property
+
+from services.planner.domain import ThroughputEstimate
+from unicron import jobspec
+from unicron.errors import InvalidArgument
+from unicron.v1 import common_pb2 as pb
+
+GPUS_PER_NODE = 8
+TENSOR_PARALLEL = GPUS_PER_NODE
+VOCAB = 128_256  # Llama 3's tokenizer
+SEQ_LENGTH = 8_192
+
+
+def _require(ok: bool, name: str, problem: str) -> None:
+    if not ok:
+        raise InvalidArgument(name, problem)
+
+
+@dataclass(frozen=True)
+class JobModel:
+    job_id: str
+    weight: float
+    layers: int
+    hidden: int
+    pipeline: int
+    min_dp: int
+    max_dp: int
+    start_dp: int
+    global_batch: int  # samples (of SEQ_LENGTH tokens) per step
+
+    def __post_init__(self) -> None:
+        where = f"job {self.job_id!r}"
+        _require(bool(self.job_id), "job_id", "must not be empty")
+        _require(self.weight > 0 and math.isfinite(self.weight), f"{where}.weight", "must be a finite number > 0")
+        for name in ("layers", "hidden", "pipeline", "min_dp", "max_dp", "start_dp", "global_batch"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value >= 1, f"{where}.{name}", "must be an int >= 1")
+        _require(self.min_dp <= self.start_dp <= self.max_dp, f"{where}.start_dp", "must lie in [min_dp, max_dp]")
+
+    @property
+    def tensor(self) -> int:
+        return TENSOR_PARALLEL
+
+    @property
+    def nodes_per_replica(self) -> int:
+        return self.pipeline
+
+    @property
+    def start_nodes(self) -> int:
+        return self.pipeline * self.start_dp
+
+    @cached_property
+    def parameters(self) -> float:
+        spec = pb.ModelSpec(num_layers=self.layers, hidden_size=self.hidden, vocab_size=VOCAB, seq_length=SEQ_LENGTH)
+        return jobspec.model_parameters(spec)
+
+    @cached_property
+    def estimate(self) -> ThroughputEstimate:
+        return ThroughputEstimate(parameters=self.parameters, tokens_per_step=float(self.global_batch * SEQ_LENGTH))
+
+    @cached_property
+    def profile(self) -> dict[int, float]:
+        """Size in GPUs -> achieved FLOP/s, for every allowed size."""
+        unit = self.tensor * self.pipeline
+        return {unit * dp: self.estimate.flops(self.tensor, self.pipeline, unit * dp) for dp in self._dps()}
+
+    def _dps(self) -> range:
+        return range(self.min_dp, self.max_dp + 1)
+
+    def flops(self, gpus: int) -> float:
+        """T(x); 0 when x is 0. x must be an allowed size."""
+        return self.profile[gpus] if gpus else 0.0
+
+    def waf(self, gpus: int) -> float:
+        """F(x) = w * T(x)."""
+        return self.weight * self.flops(gpus)
+
+    def best_size_within(self, nodes: int) -> int:
+        """The largest allowed size (GPUs) that fits on ``nodes`` whole nodes; 0 if none."""
+        dp = min(self.max_dp, nodes // self.pipeline)
+        return self.tensor * self.pipeline * dp if dp >= self.min_dp else 0
+
+    def iteration_s(self, gpus: int) -> float:
+        """Seconds per optimizer step at size x (the hang detector's scale)."""
+        return 6.0 * self.parameters * self.global_batch * SEQ_LENGTH / self.flops(gpus)
+
+    @property
+    def state_bytes(self) -> float:
+        return self.parameters * jobspec.STATE_BYTES_PER_PARAMETER
+
+
+@dataclass(frozen=True)
+class ClusterModel:
+    """``nodes`` nodes of GPUS_PER_NODE GPUs; ``jobs`` start on consecutive nodes in order, the
+    rest are spare."""
+
+    nodes: int
+    jobs: tuple[JobModel, ...]
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.nodes, int) and self.nodes >= 1, "nodes", "must be an int >= 1")
+        _require(len(self.jobs) >= 1, "jobs", "needs at least one job")
+        ids = [j.job_id for j in self.jobs]
+        _require(len(set(ids)) == len(ids), "jobs", "job ids must be unique")
+        used = sum(j.start_nodes for j in self.jobs)
+        _require(used <= self.nodes, "jobs", f"start on {used} nodes, the cluster has {self.nodes}")
+        object.__setattr__(self, "jobs", tuple(self.jobs))
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * GPUS_PER_NODE
+
+    def initial_placement(self) -> list[list[int]]:
+        out, first = [], 0
+        for job in self.jobs:
+            out.append(list(range(first, first + job.start_nodes)))
+            first += job.start_nodes
+        return out
+
+    def failure_free_waf(self) -> float:
+        return sum(j.waf(j.start_nodes * GPUS_PER_NODE) for j in self.jobs)
+
+
+# Model shapes (layers, hidden): Llama-3-like 405B, 70B, 8B, and 13B / 7B / 1.3B GPT shapes.
+SHAPES: dict[str, tuple[int, int]] = {
+    "405b": (126, 16_384),
+    "70b": (80, 8_192),
+    "8b": (32, 4_096),
+    "13b": (40, 5_120),
+    "7b": (32, 4_096),
+    "1.3b": (24, 2_048),
+}
+
+
+def small_workload(nodes: int = 16) -> ClusterModel:
+    """No spare: four jobs of different weight, two of them elastic upwards. At 16 nodes: a 13B
+    job on 3 replicas of 2 nodes, two 7B jobs on 4 nodes each and a 1.3B job on 2; other node
+    counts (16 to 255) scale every degree with the cluster."""
+    _require(16 <= nodes < 256, "nodes", "the small workload needs 16 to 255 nodes")
+    s = nodes // 16
+
+    def job(job_id: str, weight: float, shape: str, pp: int, lo: int, hi: int, start: int) -> JobModel:
+        return JobModel(job_id, weight, *SHAPES[shape], pipeline=pp, min_dp=lo * s, max_dp=hi * s, start_dp=start * s,
+                        global_batch=256)  # fmt: skip
+
+    jobs = (
+        job("a-13b", 2.0, "13b", 2, 2, 3, 3),
+        job("b-7b", 1.0, "7b", 1, 2, 6, 4),
+        job("c-7b", 1.0, "7b", 1, 1, 6, 4),
+        job("d-1.3b", 0.5, "1.3b", 1, 1, 4, 2),
+    )
+    return ClusterModel(nodes, jobs)
+
+
+# (shape, pipeline degree, weight, share of the busy nodes, grows above its start size)
+LARGE_MIX: tuple[tuple[str, int, float, float, bool], ...] = (
+    ("405b", 16, 2.0, 0.40, False),
+    ("70b", 8, 1.5, 0.30, False),
+    ("70b", 4, 1.0, 0.15, True),
+    ("8b", 1, 0.5, 0.15, True),
+)
+
+
+# A large job may shrink by this many data-parallel replicas and (some) grow by this many: a few
+# sizes each, which keeps the planner's problem small. At the Llama 3 failure rate and a day's
+# repair, a job of a few hundred nodes has about one node out at a time.
+SHRINK_REPLICAS = 8
+GROW_REPLICAS = 2
+
+
+def large_workload(nodes: int, jobs: int, spare_fraction: float = 0.02) -> ClusterModel:
+    """``jobs`` jobs (a multiple of len(LARGE_MIX) works best) over ``nodes`` nodes, about
+    ``spare_fraction`` of the nodes left free. Each mix entry's share of the busy nodes is split
+    evenly between its copies."""
+    _require(jobs >= len(LARGE_MIX), "jobs", f"must be at least {len(LARGE_MIX)}")
+    busy = int(nodes * (1.0 - spare_fraction))
+    copies = [jobs // len(LARGE_MIX) + (1 if i < jobs % len(LARGE_MIX) else 0) for i in range(len(LARGE_MIX))]
+    out: list[JobModel] = []
+    for (shape, pp, weight, share, grows), count in zip(LARGE_MIX, copies, strict=True):
+        for _ in range(count):
+            dp = max(1, int(busy * share / count) // pp)
+            out.append(
+                JobModel(
+                    job_id=f"{shape}-{len(out):02d}",
+                    weight=weight,
+                    layers=SHAPES[shape][0],
+                    hidden=SHAPES[shape][1],
+                    pipeline=pp,
+                    min_dp=max(1, dp - SHRINK_REPLICAS),
+                    max_dp=dp + GROW_REPLICAS if grows else dp,
+                    start_dp=dp,
+                    # Llama 3 405B used 16M-token batches; smaller runs, about 4M tokens.
+                    global_batch=2048 if shape == "405b" else 512,
+                )
+            )
+    return ClusterModel(nodes, tuple(out))
+
+
+def workload(gpus: int) -> ClusterModel:
+    """The job mix for a cluster of ``gpus`` GPUs (a multiple of GPUS_PER_NODE)."""
+    _require(gpus % GPUS_PER_NODE == 0 and gpus > 0, "gpus", f"must be a positive multiple of {GPUS_PER_NODE}")
+    nodes = gpus // GPUS_PER_NODE
+    _require(nodes >= 16, "gpus", f"must be at least {16 * GPUS_PER_NODE}")
+    if nodes < 256:
+        return small_workload(nodes)
+    # Tens of jobs at scale, each many nodes.
+    return large_workload(nodes, 16)
