@@ -53,11 +53,11 @@ from unicron.v1 import common_pb2 as pb
 RESULTS = Path(__file__).resolve().parent / "results" / "transition.json"
 
 ACTIONS = ["reattempt", "restart", "resize"]
-# The fault that makes the coordinator choose each action today (the severity ladder):
-# a SEV3 collective timeout is reattempted in place, a SEV2 process death restarts the job's
-# ranks in place, a SEV1 hardware error isolates the node and the re-plan shrinks the job onto
-# the nodes left.
-FAULTS = {"reattempt": "exception:collective_timeout", "restart": "crash", "resize": "exception:ecc_error"}
+# The fault that makes the coordinator choose each action today (the severity ladder): a SEV3
+# collective timeout inside the gradient all-reduce is reattempted in a new process group, a SEV2
+# process death restarts the dead rank, a SEV1 hardware error isolates the node and the re-plan
+# shrinks the job onto the nodes left.
+FAULTS = {"reattempt": "exception:collective_timeout:allreduce", "restart": "crash", "resize": "exception:ecc_error"}
 EXPECTED_KIND = {
     "reattempt": pb.FAILURE_KIND_COLLECTIVE_TIMEOUT,
     "restart": pb.FAILURE_KIND_PROCESS_EXIT,

@@ -45,7 +45,9 @@ def kind_from_name(name: str) -> pb.FailureKind:
 
 
 def parse_fault(text: str, rank: int = 0) -> pb.Fault:
-    """`kind[:arg][@step]`: crash@5, exception:illegal_memory_access@3, slow:0.5, hang."""
+    """`kind[:arg][@step]`: crash@5, exception:illegal_memory_access@3, slow:0.5, hang. An
+    exception raised inside the gradient all-reduce rather than before the iteration:
+    exception:collective_timeout:allreduce@5."""
     head, _, step_text = text.strip().partition("@")
     name, _, arg = head.partition(":")
     if name not in FAULT_NAMES:
@@ -58,7 +60,13 @@ def parse_fault(text: str, rank: int = 0) -> pb.Fault:
     if fault.kind == pb.FAULT_KIND_EXCEPTION:
         if not arg:
             raise InvalidArgument("fault.exception_kind", "an exception fault needs a kind, e.g. exception:ecc_error")
-        fault.exception_kind = kind_from_name(arg)
+        kind, _, where = arg.partition(":")
+        if where not in ("", "allreduce"):
+            raise InvalidArgument(
+                "fault.in_grad_sync", f"an exception fires before the step or in its 'allreduce', got {where!r}"
+            )
+        fault.exception_kind = kind_from_name(kind)
+        fault.in_grad_sync = where == "allreduce"
     elif fault.kind == pb.FAULT_KIND_SLOW:
         try:
             fault.delay_seconds = float(arg or "1")

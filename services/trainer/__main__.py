@@ -66,7 +66,7 @@ from unicron.v1 import common_pb2, node_service_pb2, trainer_service_pb2
 
 if TYPE_CHECKING:  # torch and Megatron take seconds to import; config errors come first
     from services.trainer import reform as reforming
-    from services.trainer.gpt import GPTTrainer, ModelConfig, TrainConfig
+    from services.trainer.gpt import GPTTrainer, ModelConfig, PartialStep, StepResult, TrainConfig
 
 EXIT_STOPPED = 143
 # IterationReport.state_source of the first report after a reattempt in place or a reform that
@@ -295,6 +295,18 @@ def wait_for_decision(run: Run, timeout_s: float, poll_s: float = 0.05) -> Decis
         return Decision.REATTEMPT
 
 
+def release_frames(exc: BaseException) -> None:
+    """Drops the tracebacks of ``exc`` and the exceptions chained to it: the frames of a step
+    that failed inside Megatron's schedule hold the model, and through it the process groups
+    a rank must free to leave its group (see reform.teardown)."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        current.__traceback__ = None
+        current = current.__cause__ or current.__context__
+
+
 def after_failure(
     run: Run, exc: BaseException, redoable: bool = True, leave_group: Callable[[], None] | None = None
 ) -> Decision:
@@ -336,6 +348,7 @@ def after_failure(
         log.error("iteration %d failed again after %d reattempts; giving up", step, run.reattempt_count)
         return Decision.GIVE_UP
     if leave_group is not None:
+        release_frames(exc)
         leave_group()
     decision = wait_for_decision(run, run.config.reattempt_wait_s)
     if decision in (Decision.REATTEMPT, Decision.REFORM):
@@ -418,6 +431,8 @@ def train(run: Run, log: logging.Logger) -> None:
         # reattempt in the old group.
         whole_model = trainer.tensor_parallel == 1 and trainer.pipeline_parallel == 1
         parked: reforming.Parked | None = None
+        # The interrupted step's computed gradients, to finish it with after a reform.
+        resume: PartialStep | None = None
 
         def leave_group() -> None:
             nonlocal parked
@@ -432,8 +447,10 @@ def train(run: Run, log: logging.Logger) -> None:
             decision: Decision | None = None
             try:
                 run.injector.before_step(run.iteration + 1)
-                result = trainer.step()
+                result = next_step(trainer, resume, log)
+                resume = None
             except Exception as exc:
+                resume = None
                 redoable = trainer.step_is_redoable
                 decision = after_failure(run, exc, redoable, leave_group if whole_model and redoable else None)
                 if decision is Decision.GIVE_UP:
@@ -454,7 +471,9 @@ def train(run: Run, log: logging.Logger) -> None:
             if decision is Decision.REFORM:
                 assert run.pending_reform is not None
                 # A step that failed before the update leaves the state as it was: the captured
-                # state drops its partial gradients and the iteration is redone.
+                # state is that of the iteration's start, and the iteration is redone, from its
+                # computed gradients where the new group keeps this rank's place in it.
+                resume = parked.partial if parked is not None else trainer.partial_step()
                 trainer = apply_reform(
                     run, trainer, run.pending_reform, keep_state=trainer.step_is_redoable, parked=parked
                 )
@@ -488,6 +507,23 @@ def train(run: Run, log: logging.Logger) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def next_step(trainer: GPTTrainer, resume: PartialStep | None, log: logging.Logger) -> StepResult:
+    """The next training step: the interrupted one finished from its computed gradients when
+    ``resume`` fits this trainer (same iteration and data-parallel place), else a full step."""
+    if resume is not None:
+        try:
+            result = trainer.finish_step(resume)
+        except ValueError as exc:
+            log.info("recomputing iteration %d: %s", resume.iteration, exc)
+        else:
+            log.info(
+                "finished the interrupted iteration from its computed gradients",
+                extra={"iteration": result.iteration, "micro_batches": len(resume.losses)},
+            )
+            return result
+    return trainer.step()
 
 
 def apply_reform(

@@ -40,6 +40,7 @@ class FaultInjector:
         self._lock = threading.Lock()
         self._pending: list[pb.Fault] = []
         self._armed_in_allreduce = False
+        self._raise_in_allreduce: pb.Fault | None = None
         self.delay_s = 0.0
 
     @property
@@ -69,6 +70,10 @@ class FaultInjector:
             time.sleep(self.delay_s)
         if self._armed_in_allreduce:
             self._die(signal.SIGKILL, pb.Fault(kind=pb.FAULT_KIND_VANISH_IN_ALLREDUCE))
+        fault, self._raise_in_allreduce = self._raise_in_allreduce, None
+        if fault is not None:
+            self._announce(fault, time.time())
+            raise InjectedFailure(EXCEPTION_TEXTS.get(fault.exception_kind, "injected failure"))
 
     def _fire(self, fault: pb.Fault) -> None:
         kind = fault.kind
@@ -81,6 +86,8 @@ class FaultInjector:
             self._announce(fault, time.time() + ANNOUNCE_S)
             time.sleep(ANNOUNCE_S)
             self._exit(3)
+        elif kind == pb.FAULT_KIND_EXCEPTION and fault.in_grad_sync:
+            self._raise_in_allreduce = fault
         elif kind == pb.FAULT_KIND_EXCEPTION:
             self._announce(fault, time.time())
             raise InjectedFailure(EXCEPTION_TEXTS.get(fault.exception_kind, "injected failure"))

@@ -161,6 +161,20 @@ def _loss_func(output_tensor: torch.Tensor) -> LossOutput:
     return loss_sum, num_tokens, {"lm loss": report}
 
 
+@dataclass(frozen=True)
+class PartialStep:
+    """What a step that failed in its gradient all-reduce had computed: this rank's local
+    (not yet reduced) gradients of all its micro-batches and their losses. A rank that
+    reattempts the step in a new group with the same data-parallel place applies them instead
+    of recomputing the micro-batches (``GPTTrainer.finish_step``)."""
+
+    iteration: int
+    data_parallel_size: int
+    data_parallel_rank: int
+    grads: list[torch.Tensor]
+    losses: list[dict[str, torch.Tensor]]
+
+
 class GPTTrainer:
     """One Megatron-Core GPT replica slice (TP x PP) on this rank, trained with Megatron DDP."""
 
@@ -197,6 +211,12 @@ class GPTTrainer:
         self._grad_sync_at: float | None = None
         # Called on this rank's entry into the gradient all-reduce (set by fault injection).
         self.grad_sync_hook: Callable[[], None] | None = None
+        # This step's local gradients (copied as the all-reduce begins, which overwrites them
+        # in place) and micro-batch losses: what a failed all-reduce leaves to reuse. The copy
+        # costs one more gradient buffer of memory.
+        self.keep_local_grads = True
+        self._local_grads: list[torch.Tensor] | None = None
+        self._step_losses: list[dict[str, torch.Tensor]] = []
         with cpu_mode(device):
             self._build(tensor_parallel, pipeline_parallel)
 
@@ -330,14 +350,56 @@ class GPTTrainer:
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
         self._grad_sync_at = None
+        self._local_grads = None
 
     def _finalize_grads(self, *args: Any, **kwargs: Any) -> Any:
         """Megatron's gradient all-reduce, with a note of when this rank reached it and the
         hook that fault injection uses to act inside it."""
+        if self.keep_local_grads:
+            self._local_grads = [buffer.grad_data.detach().clone() for buffer in self.model.buffers]
         if self.grad_sync_hook is not None:
             self.grad_sync_hook()
         self._grad_sync_at = time.perf_counter()
         return finalize_model_grads(*args, **kwargs)
+
+    def partial_step(self) -> PartialStep | None:
+        """After ``step()`` raised: the work of the failed step that can be reused, if it got
+        as far as the gradient all-reduce and did not start the update."""
+        if self._local_grads is None or self._update_started:
+            return None
+        return PartialStep(
+            self._iteration + 1,
+            self._dp,
+            self.data_parallel_rank,
+            [g.cpu() for g in self._local_grads],
+            [{k: v.detach().cpu() for k, v in entry.items()} for entry in self._step_losses],
+        )
+
+    def finish_step(self, partial: PartialStep) -> StepResult:
+        """Completes the step ``partial`` was cut short in: its gradients go into this trainer's
+        buffers, then the all-reduce, the update and the loss as in ``step()``. Only for the same
+        iteration and the same data-parallel place (the same micro-batches); else ValueError."""
+        if self._closed:
+            raise RuntimeError("GPTTrainer is closed")
+        place = (self._iteration + 1, self._dp, self.data_parallel_rank)
+        theirs = (partial.iteration, partial.data_parallel_size, partial.data_parallel_rank)
+        if theirs != place:
+            raise ValueError(f"partial step of (iteration, DP, DP rank) {theirs}, this trainer is at {place}")
+        if len(partial.grads) != len(self.model.buffers):
+            raise ValueError("partial step of another model")
+        with cpu_mode(self._device):
+            start = time.perf_counter()
+            self._update_started = False
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            for buffer, grads in zip(self.model.buffers, partial.grads, strict=True):
+                buffer.grad_data.copy_(grads)
+            self._step_losses = list(partial.losses)
+            self._finalize_grads([self.model])
+            self._grad_sync_at = start  # nothing was computed again
+            loss = self._update()
+            seconds = time.perf_counter() - start
+        return self._completed(loss, seconds, 0.0)
 
     def step(self) -> StepResult:
         if self._closed:
@@ -350,7 +412,11 @@ class GPTTrainer:
             end = time.perf_counter()
             seconds = end - start
             compute_seconds = (self._grad_sync_at or end) - start
+        return self._completed(loss, seconds, compute_seconds)
+
+    def _completed(self, loss: float, seconds: float, compute_seconds: float) -> StepResult:
         self._iteration += 1
+        self._local_grads = None  # of a finished step: nothing left to reuse
         self._update_started = False
         g = self.train_config.global_batch_size
         return StepResult(
@@ -365,7 +431,9 @@ class GPTTrainer:
     def _train_step(self) -> float:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        losses = self._forward_backward(
+        self._local_grads = None
+        self._step_losses = []
+        self._forward_backward(
             forward_step_func=self._forward_step,
             data_iterator=self._data_iterator(),
             model=[self.model],
@@ -374,11 +442,14 @@ class GPTTrainer:
             micro_batch_size=self.train_config.micro_batch_size,
             forward_only=False,
         )
+        return self._update()
+
+    def _update(self) -> float:
         self._update_started = True
         update_ok, _, _ = self.optimizer.step()
         if not update_ok:
             raise RuntimeError(f"optimizer step {self._iteration + 1} skipped (non-finite grads)")
-        return self._global_mean_loss(losses)
+        return self._global_mean_loss(self._step_losses)
 
     def _data_iterator(self) -> Iterator[Batch]:
         t = self.train_config
@@ -396,7 +467,13 @@ class GPTTrainer:
         position_ids = torch.arange(tokens.size(1), device=device).unsqueeze(0).expand_as(tokens)
         # attention_mask=None: the local attention builds its own causal mask.
         output = model(tokens, position_ids, None, labels=labels)
-        return output, _loss_func
+        return output, self._recorded_loss
+
+    def _recorded_loss(self, output_tensor: torch.Tensor) -> LossOutput:
+        """``_loss_func``, keeping each micro-batch's reported loss for this step."""
+        loss, tokens, report = _loss_func(output_tensor)
+        self._step_losses.append(report)
+        return loss, tokens, report
 
     def _global_mean_loss(self, losses: list[dict[str, torch.Tensor]]) -> float:
         # Only last-stage ranks hold losses; TP peers hold identical copies. Summing

@@ -67,7 +67,7 @@ import torch
 import torch.distributed as dist
 
 from services.trainer import checkpoint
-from services.trainer.gpt import GPTTrainer
+from services.trainer.gpt import GPTTrainer, PartialStep
 from services.trainer.snapshot import restore_nearest
 
 # isort: split
@@ -167,18 +167,21 @@ def teardown(trainer: GPTTrainer | None) -> str:
 
 @dataclass(frozen=True)
 class Parked:
-    """A rank that left its process group after an error, its state kept for the next one."""
+    """A rank that left its process group after an error: its state for the next group, and
+    what the failed step had computed (``GPTTrainer.partial_step``)."""
 
     snapshot: Snapshot
     backend: str
+    partial: PartialStep | None
 
 
 def park(trainer: GPTTrainer) -> Parked:
     """Captures ``trainer``'s state and leaves the process group at once, while the decision
     on the error is awaited: peers blocked in a collective with this rank fail now and report
     too, and the reform that follows only has to join the new group. ``trainer`` is released."""
+    partial = trainer.partial_step()
     snapshot = capture(trainer)
-    return Parked(snapshot, teardown(trainer))
+    return Parked(snapshot, teardown(trainer), partial)
 
 
 def join(

@@ -337,17 +337,21 @@ def test_a_corrupted_peer_transfer_falls_back_to_the_checkpoint(tmp_path: Path) 
     _compare_with_reference(spec, _losses(agent, [(1, 0), (1, 1), (2, 2)]), root, tmp_path / "store")
 
 
-def test_reattempt_by_reform(tmp_path: Path) -> None:
-    """World 2; rank 1 raises an injected collective timeout (SEV3) at iteration 2 while rank
-    0 waits in the all-reduce; the agent answers with a reform into the same world on a new
-    port. Rank 1 leaving the old group breaks rank 0's all-reduce; both redo iteration 2 in the
-    new group and finish, in the same processes."""
+@pytest.mark.parametrize("where", ["before", "allreduce"])
+def test_reattempt_by_reform(tmp_path: Path, where: str) -> None:
+    """World 2; rank 1 raises an injected collective timeout (SEV3) at iteration 2, before the
+    iteration or inside its gradient all-reduce, while rank 0 waits in the all-reduce; the
+    agent answers with a reform into the same world on a new port. Rank 1 leaving the old
+    group breaks rank 0's all-reduce; both redo iteration 2 in the new group and finish, in the
+    same processes. A rank that failed in the all-reduce does not compute the iteration's
+    micro-batches again: it finishes it from the gradients it had."""
     spec = tiny_spec(iterations=4, checkpoint_interval=4)
     root = tmp_path / "ckpt"
     port, new_port = two_ports()
     keys: list[ProcessKey] = [(1, 0), (1, 1)]
     agent = ReformAgent({(1, 0): 0, (1, 1): 1}, generation=2, world_size=2, port=new_port, when=ReformAgent.any_error)
-    faults = {"UNICRON_TRAINER_FAULT_INJECTION": "1", "UNICRON_TRAINER_FAULTS": "exception:collective_timeout@2"}
+    fault = "exception:collective_timeout:allreduce@2" if where == "allreduce" else "exception:collective_timeout@2"
+    faults = {"UNICRON_TRAINER_FAULT_INJECTION": "1", "UNICRON_TRAINER_FAULTS": fault}
     try:
         trainers = {
             key: start_trainer(agent.address, spec, key[1], 2, port, tmp_path, 1, root, faults if key[1] else None)
@@ -371,6 +375,10 @@ def test_reattempt_by_reform(tmp_path: Path) -> None:
         assert [f.iterations for f in agent.of(key, "finished")] == [4]
         assert agent.seconds_to_new_generation(key) < QUICK_S, "a rank waited for the collective timeout"
     assert sorted(agent.hellos) == keys  # one hello each: no process was restarted
+    # Rank 0 was in the all-reduce either way; rank 1 only when it failed there.
+    finished = "finished the interrupted iteration from its computed gradients"
+    assert finished in results[(1, 0)].log
+    assert (finished in results[(1, 1)].log) == (where == "allreduce")
     _compare_with_reference(spec, _losses(agent, keys), root, tmp_path / "store")
 
 
