@@ -200,6 +200,9 @@ def model_parameters(model: common_pb2.ModelSpec) -> float:
 
 # fp32 parameters, gradients and Adam's two moments.
 STATE_BYTES_PER_PARAMETER = 16
+# How fast a rank that joins a job fetches its state: from a live data-parallel peer holding
+# the same (tensor, pipeline) shard, every shard at once, each over one GPU's NIC (400 Gb/s).
+STATE_TRANSFER_BYTES_PER_S = 50e9
 
 
 def world_size(spec: common_pb2.JobSpec, data_parallel: int | None = None) -> int:

@@ -486,7 +486,9 @@ class Agent:
             if self.settings.snapshot_dir is not None:
                 env["UNICRON_TRAINER_SNAPSHOT_DIR"] = str(self.settings.snapshot_dir / start.job_id)
             env.update(extra_env or {})
-            self.supervisor.launch(key, self.settings.trainer_command, env)
+            # Spares are the recovery reserve: a job's first start goes cold, so that a
+            # failure soon after it still finds one ready.
+            self.supervisor.launch(key, self.settings.trainer_command, env, spare=assignment.generation > 1)
 
     def _reform(self, reform: pb.Reform) -> None:
         """Moves this node's live ranks of the job to the new generation in place (they

@@ -17,6 +17,12 @@ log = logging.getLogger(__name__)
 TRAINER_ENV_PREFIX = "UNICRON_TRAINER_"
 
 
+# The pool's state for operators and tests: {"size": n, "ready": n}.
+STATUS_FILE = "spares.json"
+# What a spare prints on stdout once its imports are done.
+READY_LINE = b"ready\n"
+
+
 class SparePool:
     def __init__(
         self,
@@ -31,32 +37,54 @@ class SparePool:
         self._spare_argv = list(spare_argv)
         self._serves_argv = list(serves_argv)
         self._env = dict(env)
-        self._log_path = work_dir / "spares.err"
+        self._work_dir = work_dir
         self._lock = threading.Lock()
-        self._ready: list[subprocess.Popen[bytes]] = []
+        self._spares: list[subprocess.Popen[bytes]] = []
+        self._warm: set[int] = set()  # pids of spares done importing
         self._closed = False
 
     def fill(self) -> None:
         """Starts spares until `size` are alive (call at start and after each take)."""
         with self._lock:
-            self._ready = [p for p in self._ready if p.poll() is None]
-            missing = 0 if self._closed else self._size - len(self._ready)
+            self._spares = [p for p in self._spares if p.poll() is None]
+            missing = 0 if self._closed else self._size - len(self._spares)
             for _ in range(missing):
-                self._ready.append(self._start())
+                self._spares.append(self._start())
+            self._write_status()
 
     def _start(self) -> subprocess.Popen[bytes]:
-        self._log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self._log_path, "ab") as err:
+        self._work_dir.mkdir(parents=True, exist_ok=True)
+        with open(self._work_dir / "spares.err", "ab") as err:
             proc = subprocess.Popen(
                 self._spare_argv,
                 env=self._env,
                 stdin=subprocess.PIPE,
-                stdout=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,  # one line, READY_LINE; a handover sends it elsewhere
                 stderr=err,
                 start_new_session=True,  # as a trainer: a stop signals its whole group
             )
+        threading.Thread(target=self._await_ready, args=(proc,), name="spare-ready", daemon=True).start()
         log.debug("spare trainer started", extra={"pid": proc.pid})
         return proc
+
+    def _await_ready(self, proc: subprocess.Popen[bytes]) -> None:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        proc.stdout.close()
+        with self._lock:
+            if line == READY_LINE and proc in self._spares:
+                self._warm.add(proc.pid)
+                self._write_status()
+
+    def _write_status(self) -> None:
+        """Rewrites the status file (caller holds the lock)."""
+        ready = sum(1 for p in self._spares if p.pid in self._warm and p.poll() is None)
+        try:
+            tmp = self._work_dir / (STATUS_FILE + ".tmp")
+            tmp.write_text(json.dumps({"size": self._size, "ready": ready}))
+            tmp.replace(self._work_dir / STATUS_FILE)
+        except OSError as exc:
+            log.warning("cannot write the spare status", extra={"error": str(exc)})
 
     def serves(self, argv: Sequence[str], env: Mapping[str, str]) -> bool:
         """Whether a spare can become this launch: the same program, and the same environment
@@ -68,22 +96,28 @@ class SparePool:
     def take(
         self, argv: Sequence[str], env: Mapping[str, str], stdout: Path, stderr: Path
     ) -> subprocess.Popen[bytes] | None:
-        """A live spare turned into this launch, or None (none ready, or it cannot serve it)."""
+        """A live spare turned into this launch, or None (none left, or it cannot serve it).
+        One done importing first; else one still importing, which is still ahead of a cold
+        start."""
         if self._size <= 0 or not self.serves(argv, env):
             return None
         order = json.dumps({"env": dict(env), "stdout": str(stdout), "stderr": str(stderr)}) + "\n"
         while True:
             with self._lock:
-                if not self._ready:
+                alive = [p for p in self._spares if p.poll() is None]
+                if not alive:
                     break
-                proc = self._ready.pop(0)
-            if proc.poll() is not None or proc.stdin is None:
-                continue  # died waiting (it logged why in spares.err)
+                proc = next((p for p in alive if p.pid in self._warm), alive[0])
+                self._spares.remove(proc)
+                self._warm.discard(proc.pid)
+                self._write_status()
+            if proc.stdin is None:
+                continue
             try:
                 proc.stdin.write(order.encode())
                 proc.stdin.close()
             except OSError:
-                continue
+                continue  # died meanwhile (it logged why in spares.err)
             threading.Thread(target=self.fill, name="spares", daemon=True).start()
             return proc
         threading.Thread(target=self.fill, name="spares", daemon=True).start()
@@ -93,7 +127,8 @@ class SparePool:
         """Ends the spares not taken: they hold nothing yet."""
         with self._lock:
             self._closed = True
-            spares, self._ready = self._ready, []
+            spares, self._spares = self._spares, []
+            self._warm.clear()
         for proc in spares:
             proc.kill()
             proc.wait()

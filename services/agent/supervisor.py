@@ -52,12 +52,15 @@ class Supervisor:
         self._procs: dict[WorkerKey, subprocess.Popen[bytes]] = {}
         self._stopping: set[WorkerKey] = set()
 
-    def launch(self, key: WorkerKey, argv: Sequence[str], env: Mapping[str, str]) -> int:
+    def launch(self, key: WorkerKey, argv: Sequence[str], env: Mapping[str, str], spare: bool = True) -> int:
+        """Starts a trainer; through a warm spare when ``spare`` and the pool has one."""
         log_dir = self._work_dir / key.job_id
         log_dir.mkdir(parents=True, exist_ok=True)
         stem = log_dir / f"gen{key.generation}-rank{key.rank}"
         out_path, err_path = Path(f"{stem}.out"), Path(f"{stem}.err")
-        proc = self._spares.take(argv, env, out_path, err_path) if self._spares is not None else None
+        proc = None
+        if spare and self._spares is not None:
+            proc = self._spares.take(argv, env, out_path, err_path)
         warm = proc is not None
         if proc is None:
             with open(out_path, "ab") as out, open(err_path, "ab") as err:

@@ -91,7 +91,11 @@ def plan_request(
         if not job.spec.throughput:
             plan_job.estimate.parameters = parameters
             plan_job.estimate.tokens_per_step = job.spec.training.global_batch_size * job.spec.model.seq_length
-        plan_job.transition.state_bytes = parameters * jobspec.STATE_BYTES_PER_PARAMETER
+        # A joining rank fetches its own shard of the state from a live peer, all shards in
+        # parallel: the bytes on one link are the job's state over TP x PP.
+        shards = max(1, par.tensor) * max(1, par.pipeline)
+        plan_job.transition.state_bytes = parameters * jobspec.STATE_BYTES_PER_PARAMETER / shards
+        plan_job.transition.bandwidth_bytes_per_second = jobspec.STATE_TRANSFER_BYTES_PER_S
         if job.state in state.ACTIVE:
             for node_id, count in slots_by_node(job).items():
                 plan_job.current[node_id] = count

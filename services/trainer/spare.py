@@ -37,6 +37,8 @@ def main() -> int:
     import services.trainer.gpt  # noqa: F401  (Megatron-Core)
     from services.trainer.__main__ import main as trainer_main
 
+    # The agent hands ready spares out first (services/agent/spares.py).
+    os.write(1, b"ready\n")
     line = sys.stdin.readline()
     if not line.strip():
         return 0

@@ -196,3 +196,12 @@ def test_live_map_only_for_a_job_that_is_simply_training() -> None:
     job.state = state.RUNNING
     job.spec.parallelism.pipeline = 2
     assert decide.live_map(job, placed("j", 2, a=[0]).assignment) is None
+
+
+def test_a_joining_rank_fetches_its_own_shard_of_the_state_from_a_peer() -> None:
+    job = common_pb2.Job(job_id="j", spec=spec(), state=state.PENDING)
+    job.spec.parallelism.tensor, job.spec.parallelism.pipeline = 2, 2
+    (plan_job,) = decide.plan_request([job], [node("a", 0)], 1e-6, 1.0).jobs
+    whole = jobspec.model_parameters(job.spec.model) * jobspec.STATE_BYTES_PER_PARAMETER
+    assert plan_job.transition.state_bytes == pytest.approx(whole / 4)
+    assert plan_job.transition.bandwidth_bytes_per_second == jobspec.STATE_TRANSFER_BYTES_PER_S

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from services.agent.spares import SparePool
+from services.agent.spares import STATUS_FILE, SparePool
 from services.agent.supervisor import REGISTRY_FILE, Supervisor, WorkerExit, WorkerKey
 from unicron.localcluster import ROOT
 
@@ -23,7 +23,8 @@ TRAINER = [sys.executable, "-m", "services.trainer"]
 STAND_IN = [
     sys.executable,
     "-c",
-    "import json, os, sys; from services.trainer.spare import _become; line = sys.stdin.readline();"
+    "import json, os, sys; from services.trainer.spare import _become; os.write(1, b'ready\\n');"
+    " line = sys.stdin.readline();"
     " line or sys.exit(0); _become(json.loads(line));"
     " print(os.environ['UNICRON_TRAINER_RANK'], os.environ.get('BASE')); print('to stderr', file=sys.stderr)",
 ]
@@ -76,27 +77,41 @@ def test_no_spare_for_a_launch_it_cannot_serve_or_when_none_is_ready(tmp_path: P
 def test_a_dead_spare_is_skipped_and_the_pool_refills(tmp_path: Path) -> None:
     spares = pool(tmp_path, size=2)
     spares.fill()
-    first = spares._ready[0]
+    first = spares._spares[0]
     first.kill()
     first.wait()
     proc = spares.take(TRAINER, {**BASE, "UNICRON_TRAINER_RANK": "1"}, tmp_path / "o", tmp_path / "e")
     assert proc is not None and proc is not first and wait_exit(proc) == 0
     deadline = time.monotonic() + 10
-    while len([p for p in spares._ready if p.poll() is None]) < 2:
+    while len([p for p in spares._spares if p.poll() is None]) < 2:
         assert time.monotonic() < deadline, "the pool did not refill"
         time.sleep(0.05)
     spares.close()
-    assert spares._ready == []
+    assert spares._spares == []
+
+
+def test_the_pool_says_how_many_spares_are_ready_and_hands_out_a_ready_one_first(tmp_path: Path) -> None:
+    spares = pool(tmp_path, size=2)
+    spares.fill()
+    status = tmp_path / STATUS_FILE
+    deadline = time.monotonic() + 10
+    while json.loads(status.read_text()) != {"size": 2, "ready": 2}:
+        assert time.monotonic() < deadline, status.read_text()
+        time.sleep(0.05)
+    proc = spares.take(TRAINER, {**BASE, "UNICRON_TRAINER_RANK": "0"}, tmp_path / "o", tmp_path / "e")
+    assert proc is not None and wait_exit(proc) == 0
+    assert json.loads(status.read_text())["ready"] <= 1  # until the new one is ready
+    spares.close()
 
 
 def test_an_unused_spare_ends_with_the_pool(tmp_path: Path) -> None:
     spares = pool(tmp_path)
     spares.fill()
-    proc = spares._ready[0]
+    proc = spares._spares[0]
     spares.close()
     assert proc.poll() is not None
     spares.fill()  # closed: starts nothing
-    assert spares._ready == []
+    assert spares._spares == []
 
 
 def test_the_supervisor_launches_through_a_spare_and_keeps_a_registry(tmp_path: Path) -> None:
@@ -109,7 +124,7 @@ def test_the_supervisor_launches_through_a_spare_and_keeps_a_registry(tmp_path: 
 
     spares = pool(tmp_path)
     spares.fill()
-    spare_pid = spares._ready[0].pid
+    spare_pid = spares._spares[0].pid
     supervisor = Supervisor(tmp_path / "work", on_exit, spares)
     key = WorkerKey("job-1", 2, 5)
     pid = supervisor.launch(key, TRAINER, {**BASE, "UNICRON_TRAINER_RANK": "5"})
