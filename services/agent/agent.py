@@ -588,11 +588,14 @@ class Agent:
 
     def _trainer_error(self, key: WorkerKey, error: trainer_service_pb2.TrainerError) -> None:
         self._errors[key] = error.message
+        # A reform may have moved the trainer on (rekeyed it) after the error happened in its
+        # old group: reported under the old generation, the coordinator sees it is stale.
+        generation = error.generation or key.generation
         with self._monitors_lock:
-            self._awaiting_decision.add((key.job_id, key.generation))
+            self._awaiting_decision.add((key.job_id, generation))
         report = common_pb2.FailureReport(
             job_id=key.job_id,
-            generation=key.generation,
+            generation=generation,
             rank=key.rank,
             node_id=self.settings.node_id,
             kind=error.kind,

@@ -240,7 +240,10 @@ def report_error(run: Run, exc: BaseException) -> None:
     whose peers still wait in a collective can block, and the report must not wait."""
     kind = classify_exception(exc)
     error = trainer_service_pb2.TrainerError(
-        kind=kind, message=f"{type(exc).__name__}: {exc}"[:2000], iteration=run.iteration + 1
+        kind=kind,
+        message=f"{type(exc).__name__}: {exc}"[:2000],
+        iteration=run.iteration + 1,
+        generation=max(0, run.generation),
     )
     error.first_seen.FromNanoseconds(time.time_ns())
     run.link.send(trainer_service_pb2.ConnectRequest(error=error))

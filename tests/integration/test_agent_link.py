@@ -13,6 +13,7 @@ import grpc
 import pytest
 
 from services.agent.agent import Agent, AgentSettings
+from services.agent.supervisor import WorkerKey
 from tests.integration.conftest import ControlPlane
 from tests.integration.test_job_api import tiny_spec
 from unicron import rpc
@@ -118,3 +119,19 @@ def test_bad_and_flooded_reports_are_rejected_and_the_agent_carries_on(
             time.sleep(0.1)
         assert client.incidents() == []
     assert rpc.wait_ready(agent.address, timeout_s=5)
+
+
+def test_an_error_of_a_group_the_trainer_has_left_keeps_that_groups_generation(
+    control_plane: ControlPlane, agent: Agent, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reform can rekey a trainer (generation 1 -> 2) while the error of its old group is on
+    the way: reported under generation 1, the coordinator sees it is stale."""
+    reports: list[common_pb2.FailureReport] = []
+    monkeypatch.setattr(agent, "_report", reports.append)
+    key = WorkerKey("job-1", 2, 0)
+    for generation in (1, 0):  # 0: the trainer did not say; the agent's key counts
+        error = trainer_service_pb2.TrainerError(
+            kind=common_pb2.FAILURE_KIND_CONNECTION_RESET, message="reset", generation=generation
+        )
+        agent._trainer_error(key, error)
+    assert [r.generation for r in reports] == [1, 2]
