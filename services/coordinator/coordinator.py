@@ -475,11 +475,7 @@ class Coordinator:
         stamped.CopyFrom(report)
         stamped.node_id = node_id
         if report.job_id:
-            job = self.store.get_job(report.job_id)
-            if job.assignment.generation != report.generation or state.is_terminal(job.state):
-                # Late evidence of an incident that already ended the job still joins it;
-                # it never opens a new one.
-                return self._record(stamped, create=False)
+            self.store.get_job(report.job_id)  # NOT_FOUND for an unknown job
         return self._record(stamped)
 
     def report_worker_exit(self, request: node_service_pb2.ReportWorkerExitRequest) -> None:
@@ -593,6 +589,12 @@ class Coordinator:
         that arrives just after its peers' connection resets turns their reattempt into a
         restart, instead of racing it)."""
         with self._incidents_lock:
+            if create and report.job_id:
+                # Read under the lock: a remedy decided meanwhile may have replaced the
+                # report's generation. Late evidence about a generation that is over, or a
+                # job that ended, still joins its open incident; it never opens a new one.
+                job = self.store.get_job(report.job_id)
+                create = job.assignment.generation == report.generation and not state.is_terminal(job.state)
             return self._record_one(report, create)
 
     def _record_one(self, report: common_pb2.FailureReport, create: bool) -> common_pb2.Incident | None:

@@ -59,6 +59,8 @@ import gc
 import hashlib
 import io
 import logging
+import socket
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -191,6 +193,8 @@ def join(
     ``timeout`` passes)."""
     if not isinstance(timeout, timedelta):
         timeout = timedelta(seconds=timeout)
+    if rank != 0:
+        _await_listener(master_addr, master_port, timeout.total_seconds())
     dist.init_process_group(
         backend=backend or ("nccl" if torch.cuda.is_available() else "gloo"),
         init_method=f"tcp://{master_addr}:{master_port}",
@@ -198,6 +202,19 @@ def join(
         world_size=world_size,
         timeout=timeout,
     )
+
+
+def _await_listener(host: str, port: int, timeout_s: float, poll_s: float = 0.005) -> None:
+    """Until rank 0's rendezvous store accepts connections (or ``timeout_s`` passes): a store
+    client that finds no server backs off for up to a second before it tries again, and in a
+    reform rank 0 is often the last to arrive (it was the one still tearing down)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(poll_s)
 
 
 def rebuild(old: GPTTrainer, timeout: timedelta | None = None) -> GPTTrainer:
