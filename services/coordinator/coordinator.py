@@ -56,7 +56,8 @@ class Settings:
     recovery_timeout_s: float = 180.0
     # A planner that is down or finds no plan is asked again after a backoff up to this.
     replan_backoff_max_s: float = 30.0
-    # Restart only the dead ranks, the others keeping their state in place, when they can.
+    # Restart only the dead ranks, and resize keeping the ranks on the nodes a job keeps, the
+    # others keeping their state in place, when they can (off: stop and start every rank).
     reform_restarts: bool = True
 
 
@@ -729,27 +730,26 @@ class Coordinator:
             )
             attempt.started.FromNanoseconds(int(now * 1e9))
             name = ladder.remedy_name(remedy)
-            rank_map: dict[int, int] | None
             if remedy == common_pb2.REMEDY_REATTEMPT:
-                assignment = self._new_assignment(job, decide.slots_by_node(job))
-                rank_map = decide.kept_in_place(job, assignment, set()) if settings.reform_restarts else None
-                if rank_map is not None:
-                    # The same ranks abort their group and form a new one (a collective error
-                    # can leave the old one unusable), then redo the interrupted iteration.
-                    attempt.generation = assignment.generation
-                    commands = transitions.reform(
-                        job,
-                        assignment,
-                        rank_map,
-                        now,
-                        "reattempt in a new process group",
-                        settings.ack_timeout_s,
-                        incident.incident_id,
-                        unreachable,
-                    )
-                else:
-                    attempt.generation = job.assignment.generation
-                    commands = transitions.reattempt(job, incident.incident_id)
+                # The same ranks in the same places abort their group and form a new one (a
+                # collective error can leave the old one unusable), then redo the interrupted
+                # iteration: a new generation and rendezvous, nothing else changes.
+                assignment = common_pb2.Assignment()
+                assignment.CopyFrom(job.assignment)
+                assignment.generation += 1
+                assignment.master_port = redisutil.free_port(assignment.master_addr or "127.0.0.1")
+                attempt.generation = assignment.generation
+                same = {r: r for w in job.assignment.workers for r in w.ranks}
+                commands = transitions.reform(
+                    job,
+                    assignment,
+                    same,
+                    now,
+                    "reattempt in a new process group",
+                    settings.ack_timeout_s,
+                    incident.incident_id,
+                    unreachable,
+                )
             elif remedy == common_pb2.REMEDY_RESTART:
                 assignment = self._new_assignment(job, decide.slots_by_node(job))
                 attempt.generation = assignment.generation

@@ -97,21 +97,6 @@ def reform(
     ]
 
 
-def reattempt(job: common_pb2.Job, incident_id: str) -> Commands:
-    """Asks the job's live ranks to redo their interrupted iteration; no process restarts."""
-    generation = job.assignment.generation
-    return [
-        (
-            w.node_id,
-            node_service_pb2.NodeCommand(
-                reattempt=node_service_pb2.Reattempt(job_id=job.job_id, generation=generation, incident_id=incident_id)
-            ),
-        )
-        for w in job.assignment.workers
-        if w.ranks
-    ]
-
-
 def acknowledge(job: common_pb2.Job, node_id: str, generation: int, ok: bool, error: str, now: float) -> bool:
     """Applies an agent's acknowledgement to the matching worker; False when it matches
     nothing waiting for one (late or duplicate), which is not an error."""

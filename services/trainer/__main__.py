@@ -429,10 +429,8 @@ def train(run: Run, log: logging.Logger) -> None:
         interval = training.checkpoint_interval or DEFAULT_CHECKPOINT_INTERVAL
         every = config.snapshot_interval if config.snapshot_dir else 0
         writer = snapshots.SnapshotWriter(config.snapshot_dir, run.rank, every)
-        # Whole-model ranks (any data-parallel peer's state serves any other) leave their group
-        # as soon as a step fails; the coordinator answers them with a reform, never with a
-        # reattempt in the old group.
-        whole_model = trainer.tensor_parallel == 1 and trainer.pipeline_parallel == 1
+        # A rank leaves its group as soon as a step fails; the coordinator answers with a
+        # reform into a new group, never with a reattempt in the old one.
         parked: reforming.Parked | None = None
         # The interrupted step's computed gradients, to finish it with after a reform.
         resume: PartialStep | None = None
@@ -455,7 +453,7 @@ def train(run: Run, log: logging.Logger) -> None:
             except Exception as exc:
                 resume = None
                 redoable = trainer.step_is_redoable
-                decision = after_failure(run, exc, redoable, leave_group if whole_model and redoable else None)
+                decision = after_failure(run, exc, redoable, leave_group if redoable else None)
                 if decision is Decision.GIVE_UP:
                     raise
                 # Not raised again. Dropped here, outside this block its traceback is freed: its

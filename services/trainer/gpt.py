@@ -445,11 +445,14 @@ class GPTTrainer:
         return self._update()
 
     def _update(self) -> float:
+        # The loss's all-reduce comes before the update: a collective that fails after the
+        # update has begun leaves a step that cannot be redone.
+        loss = self._global_mean_loss(self._step_losses)
         self._update_started = True
         update_ok, _, _ = self.optimizer.step()
         if not update_ok:
             raise RuntimeError(f"optimizer step {self._iteration + 1} skipped (non-finite grads)")
-        return self._global_mean_loss(self._step_losses)
+        return loss
 
     def _data_iterator(self) -> Iterator[Batch]:
         t = self.train_config

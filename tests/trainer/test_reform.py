@@ -295,8 +295,9 @@ def _grow(tmp_path: Path, root: Path, checkpoint_interval: int, corrupt: bool) -
     last_of_generation_1 = [max(r.iteration for r in agent.of(key, "iteration") if r.generation == 1) for key in old]
     assert last_of_generation_1[0] == last_of_generation_1[1]
     at = last_of_generation_1[0]
-    # The delay makes this 3; a very slow agent answer would only move it later.
-    assert 3 <= at < ITERATIONS
+    # The delay makes this 3 as a rule (once, under load, 2 was seen); what follows holds for
+    # any boundary the reform is taken at.
+    assert 2 <= at < ITERATIONS, [_summary(agent.of(k, "iteration")) for k in [*old, new]]
     if corrupt:
         assert "corrupt" in results[new].log
     return agent, at
@@ -337,15 +338,17 @@ def test_a_corrupted_peer_transfer_falls_back_to_the_checkpoint(tmp_path: Path) 
     _compare_with_reference(spec, _losses(agent, [(1, 0), (1, 1), (2, 2)]), root, tmp_path / "store")
 
 
-@pytest.mark.parametrize("where", ["before", "allreduce"])
-def test_reattempt_by_reform(tmp_path: Path, where: str) -> None:
-    """World 2; rank 1 raises an injected collective timeout (SEV3) at iteration 2, before the
-    iteration or inside its gradient all-reduce, while rank 0 waits in the all-reduce; the
-    agent answers with a reform into the same world on a new port. Rank 1 leaving the old
-    group breaks rank 0's all-reduce; both redo iteration 2 in the new group and finish, in the
-    same processes. A rank that failed in the all-reduce does not compute the iteration's
-    micro-batches again: it finishes it from the gradients it had."""
+@pytest.mark.parametrize(("tensor", "where"), [(1, "before"), (1, "allreduce"), (2, "before"), (2, "allreduce")])
+def test_reattempt_by_reform(tmp_path: Path, tensor: int, where: str) -> None:
+    """World 2 (data-parallel, or one tensor-parallel pair); rank 1 raises an injected
+    collective timeout (SEV3) at iteration 2, before the iteration or inside its gradient
+    all-reduce, while rank 0 waits in a collective; the agent answers with a reform into the
+    same world on a new port. Rank 1 leaving the old group breaks rank 0's collective; both
+    redo iteration 2 in the new group and finish, in the same processes. A rank that had
+    computed its micro-batches does not compute them again: it finishes the iteration from the
+    gradients it had."""
     spec = tiny_spec(iterations=4, checkpoint_interval=4)
+    spec.parallelism.tensor = tensor
     root = tmp_path / "ckpt"
     port, new_port = two_ports()
     keys: list[ProcessKey] = [(1, 0), (1, 1)]
@@ -375,11 +378,18 @@ def test_reattempt_by_reform(tmp_path: Path, where: str) -> None:
         assert [f.iterations for f in agent.of(key, "finished")] == [4]
         assert agent.seconds_to_new_generation(key) < QUICK_S, "a rank waited for the collective timeout"
     assert sorted(agent.hellos) == keys  # one hello each: no process was restarted
-    # Rank 0 was in the all-reduce either way; rank 1 only when it failed there.
+    # Data-parallel rank 0 was in the gradient all-reduce either way; a tensor-parallel one
+    # waited in the forward pass when rank 1 failed before the iteration. Rank 1 had its
+    # gradients only when it failed in the all-reduce.
     finished = "finished the interrupted iteration from its computed gradients"
-    assert finished in results[(1, 0)].log
+    assert (finished in results[(1, 0)].log) == (tensor == 1 or where == "allreduce")
     assert (finished in results[(1, 1)].log) == (where == "allreduce")
-    _compare_with_reference(spec, _losses(agent, keys), root, tmp_path / "store")
+    if tensor == 1:
+        _compare_with_reference(spec, _losses(agent, keys), root, tmp_path / "store")
+    else:  # the checkpoint holds slices: the losses say it (TP 2 and TP 1 agree up to rounding)
+        want, _ = reference_run(spec, tmp_path / "store")
+        got = _losses(agent, keys)
+        assert all(math.isclose(got[i], w, rel_tol=1e-5) for i, w in enumerate(want, start=1)), (got, want)
 
 
 # --- leaving a group frees it at once -----------------------------------------------------------
