@@ -295,8 +295,9 @@ def _grow(tmp_path: Path, root: Path, checkpoint_interval: int, corrupt: bool) -
     last_of_generation_1 = [max(r.iteration for r in agent.of(key, "iteration") if r.generation == 1) for key in old]
     assert last_of_generation_1[0] == last_of_generation_1[1]
     at = last_of_generation_1[0]
-    # The delay makes this 3 as a rule (once, under load, 2 was seen); what follows holds for
-    # any boundary the reform is taken at.
+    # Rank 0's fault at the start of iteration 3 triggers the reform, so this is 3 as a rule;
+    # 2 when rank 1 was still before iteration 3 as the reform reached it: it took it at that
+    # boundary, rank 0's iteration 3 broke as rank 1 left, and both redid it in the new group.
     assert 2 <= at < ITERATIONS, [_summary(agent.of(k, "iteration")) for k in [*old, new]]
     if corrupt:
         assert "corrupt" in results[new].log
@@ -378,11 +379,9 @@ def test_reattempt_by_reform(tmp_path: Path, tensor: int, where: str) -> None:
         assert [f.iterations for f in agent.of(key, "finished")] == [4]
         assert agent.seconds_to_new_generation(key) < QUICK_S, "a rank waited for the collective timeout"
     assert sorted(agent.hellos) == keys  # one hello each: no process was restarted
-    # Data-parallel rank 0 was in the gradient all-reduce either way; a tensor-parallel one
-    # waited in the forward pass when rank 1 failed before the iteration. Rank 1 had its
-    # gradients only when it failed in the all-reduce.
+    # Rank 1 had its gradients only when it failed in the all-reduce. (Rank 0 may take the
+    # reform at the boundary before iteration 2 or in it, as its answer arrives: either way.)
     finished = "finished the interrupted iteration from its computed gradients"
-    assert (finished in results[(1, 0)].log) == (tensor == 1 or where == "allreduce")
     assert (finished in results[(1, 1)].log) == (where == "allreduce")
     if tensor == 1:
         _compare_with_reference(spec, _losses(agent, keys), root, tmp_path / "store")
