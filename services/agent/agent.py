@@ -373,13 +373,9 @@ class Agent:
         kind = command.WhichOneof("command")
         if kind == "start_workers":
             start = command.start_workers
-            with self._transition_span(command, "start", start.job_id, start.assignment.generation):
-                try:
-                    self._start_workers(start)
-                except OSError as exc:
-                    self._ack(command, start.job_id, start.assignment.generation, f"cannot start trainers: {exc}")
-                else:
-                    self._ack(command, start.job_id, start.assignment.generation)
+            self._apply_and_ack(
+                command, "start", start.job_id, start.assignment.generation, lambda: self._start_workers(start)
+            )
         elif kind == "stop_workers":
             stop = command.stop_workers
             log.info(
@@ -396,13 +392,9 @@ class Agent:
             threading.Thread(target=stop_and_ack, name="stop", daemon=True).start()
         elif kind == "reform":
             reform = command.reform
-            with self._transition_span(command, "reform", reform.job_id, reform.assignment.generation):
-                try:
-                    self._reform(reform)
-                except OSError as exc:
-                    self._ack(command, reform.job_id, reform.assignment.generation, f"cannot reform: {exc}")
-                else:
-                    self._ack(command, reform.job_id, reform.assignment.generation)
+            self._apply_and_ack(
+                command, "reform", reform.job_id, reform.assignment.generation, lambda: self._reform(reform)
+            )
         elif kind == "reattempt":
             with self._transition_span(command, "reattempt", command.reattempt.job_id, command.reattempt.generation):
                 self._reattempt(command.reattempt)
@@ -449,6 +441,19 @@ class Agent:
             "reattempt in place",
             extra={"job_id": reattempt.job_id, "incident": reattempt.incident_id, "trainers": told},
         )
+
+    def _apply_and_ack(
+        self, command: pb.NodeCommand, action: str, job_id: str, generation: int, apply: Callable[[], None]
+    ) -> None:
+        """Runs a command that launches trainers, inside its transition span, and acknowledges
+        it: with the error when a trainer cannot be started."""
+        with self._transition_span(command, action, job_id, generation):
+            try:
+                apply()
+            except OSError as exc:
+                self._ack(command, job_id, generation, f"cannot {action} trainers: {exc}")
+            else:
+                self._ack(command, job_id, generation)
 
     def _start_workers(
         self, start: pb.StartWorkers, only: set[int] | None = None, extra_env: dict[str, str] | None = None

@@ -475,9 +475,7 @@ class Coordinator:
         stamped = common_pb2.FailureReport()
         stamped.CopyFrom(report)
         stamped.node_id = node_id
-        if report.job_id:
-            self.store.get_job(report.job_id)  # NOT_FOUND for an unknown job
-        return self._record(stamped)
+        return self._record(stamped)  # NOT_FOUND for an unknown job, from _record's read
 
     def report_worker_exit(self, request: node_service_pb2.ReportWorkerExitRequest) -> None:
         try:

@@ -446,12 +446,11 @@ def train(run: Run, log: logging.Logger) -> None:
                 writer = snapshots.SnapshotWriter(config.snapshot_dir, run.rank, every)
                 continue
             decision: Decision | None = None
+            finishing, resume = resume, None
             try:
                 run.injector.before_step(run.iteration + 1)
-                result = next_step(trainer, resume, log)
-                resume = None
+                result = next_step(trainer, finishing, log)
             except Exception as exc:
-                resume = None
                 redoable = trainer.step_is_redoable
                 decision = after_failure(run, exc, redoable, leave_group if redoable else None)
                 if decision is Decision.GIVE_UP:

@@ -11,13 +11,11 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from services.trainer import checkpoint
 from services.trainer.checkpoint import Layout
@@ -137,15 +135,6 @@ def test_prune_keeps_the_last_two_complete(tmp_path: Path) -> None:
 
 
 # --- exactness: stop at a checkpoint, resume in a new trainer, world 1 in this process ---------
-
-
-@pytest.fixture
-def world1(tmp_path: Path) -> Iterator[None]:
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _params(trainer: GPTTrainer) -> dict[str, torch.Tensor]:

@@ -6,12 +6,10 @@ state this way when no live peer is left (the end-to-end self-healing tests)."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from services.trainer import checkpoint, snapshot
 from services.trainer.gpt import GPTTrainer, ModelConfig
@@ -19,15 +17,6 @@ from tests.trainer.harness import relative_difference, tiny_spec, trainer_config
 
 SPEC = tiny_spec(iterations=6)
 MODEL, TRAIN = trainer_configs(SPEC)
-
-
-@pytest.fixture
-def world1(tmp_path: Path) -> Iterator[None]:
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _params(trainer: GPTTrainer) -> dict[str, torch.Tensor]:
