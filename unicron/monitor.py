@@ -42,8 +42,11 @@ class MonitorSettings:
     # Hang threshold as a multiple of the robust mean iteration time.
     k: float = 3.0
     # Never call a hang sooner than this after the last iteration: with very fast iterations,
-    # k x mean falls below the jitter of report delivery and scheduling.
-    floor_s: float = 2.0
+    # k x mean falls below the jitter of report delivery and scheduling. Below 1 s, so that
+    # the detection target (k x mean + 1 s) holds with the report's delivery on top; the
+    # agent holds back the verdict while a trainer is runnable (starved by other load, not
+    # hung) or waits on a disk.
+    floor_s: float = 0.75
     # No hang verdict before this many iterations finished: the first steps include
     # rendezvous, compilation and allocator warm-up, and say nothing about the steady state.
     warmup_iterations: int = 3
@@ -257,14 +260,26 @@ class JobMonitor:
         findings.extend(self._check_stragglers())
         return findings
 
-    def _check_hang(self, now: float) -> Finding | None:
+    def hang_due_at(self) -> float | None:
+        """When a hang verdict becomes due if no iteration finishes first (None: not armed),
+        so an observer can wake exactly then instead of polling."""
+        threshold = self._hang_threshold()
+        return None if threshold is None else self._last_progress + threshold
+
+    def _hang_threshold(self) -> float | None:
         if self._hang_reported or self._completed < self.settings.warmup_iterations:
             return None
         mean = self.mean_iteration_s
         if mean is None:  # unreachable while warmup_iterations >= 1; keeps the type honest
             return None
+        return max(self.settings.floor_s, self.settings.k * mean)
+
+    def _check_hang(self, now: float) -> Finding | None:
+        threshold = self._hang_threshold()
+        mean = self.mean_iteration_s
+        if threshold is None or mean is None:
+            return None
         scaled = self.settings.k * mean
-        threshold = max(self.settings.floor_s, scaled)
         silent = now - self._last_progress
         if not silent > threshold:
             return None

@@ -17,6 +17,9 @@ from unicron.monitor import MonitorSettings
 from unicron.service import run_server
 from unicron.v1 import trainer_service_pb2_grpc
 
+# The monitor's own defaults: the flags' defaults and what the bench reports cannot drift apart.
+_MONITOR_DEFAULTS = MonitorSettings()
+
 
 @dataclass(frozen=True)
 class AgentConfig:
@@ -39,9 +42,9 @@ class AgentConfig:
     # Statistical monitoring (hangs, stragglers); off only to measure what it costs.
     monitor: bool = True
     health_period_s: float = 5.0
-    hang_k: float = 3.0
-    hang_floor_s: float = 1.0
-    hang_warmup_iterations: int = 3
+    hang_k: float = _MONITOR_DEFAULTS.k
+    hang_floor_s: float = _MONITOR_DEFAULTS.floor_s
+    hang_warmup_iterations: int = _MONITOR_DEFAULTS.warmup_iterations
     max_workers: int = 32
     # Trainer processes kept ready (torch and Megatron imported) so that a restarted rank
     # skips seconds of imports; each costs the memory of an idle trainer (a few hundred MB).

@@ -41,6 +41,7 @@ T = TypeVar("T")
 RPC_TIMEOUT_S = 5.0
 REPORT_BATCH_S = 0.2
 MONITOR_PERIOD_S = 0.1
+MIN_MONITOR_WAIT_S = 0.005
 STACK_WAIT_S = 0.1
 # A trainer that keeps burning CPU while no iteration finishes is more likely starved or
 # slow than hung (a hung collective sleeps, a stopped process does not run): its hang
@@ -294,16 +295,21 @@ class Agent:
                     self._send_exit(item)
 
     def _monitor_loop(self) -> None:
-        while not self._stop.wait(MONITOR_PERIOD_S):
+        wait_s = MONITOR_PERIOD_S
+        while not self._stop.wait(wait_s):
             now = time.time()
             with self._monitors_lock:
-                findings = [
-                    finding
+                watched = [
+                    monitor
                     for key, monitor in self._monitors.items()
                     if key not in self._finishing and key not in self._awaiting_decision
-                    for finding in monitor.check(now)
                 ]
+                findings = [finding for monitor in watched for finding in monitor.check(now)]
                 progress = {key: monitor.last_progress for key, monitor in self._monitors.items()}
+                due = [at for monitor in watched if (at := monitor.hang_due_at()) is not None]
+            # Wake when the next hang verdict falls due rather than on the next tick: the
+            # tick would add up to a whole period to every hang's detection.
+            wait_s = min([MONITOR_PERIOD_S, *(max(MIN_MONITOR_WAIT_S, at - now) for at in due)])
             self._sample_cpu(list(progress), now)
             for finding in findings:
                 if finding.kind == common_pb2.FAILURE_KIND_TASK_HANG:
@@ -329,17 +335,32 @@ class Agent:
             or last_progress > finding.first_seen - threshold
         ):
             return False  # the job was forgotten, or an iteration finished after all
-        busy = self._cpu_rates.get(key, 0.0) > BUSY_CORES
+        busy = self._cpu_rates.get(key, 0.0) > BUSY_CORES or self._runnable(key[0])
         if busy and now < finding.first_seen + (HANG_HOLD_THRESHOLDS - 1) * threshold:
             return None
         finding.evidence["held_s"] = max(0.0, now - finding.first_seen)
         finding.evidence["cpu_cores"] = self._cpu_rates.get(key, 0.0)
         return True
 
+    def _runnable(self, job_id: str) -> bool:
+        """Whether a trainer of the job is running or waiting for the CPU or a disk now. A
+        trainer starved by other load is runnable with little CPU to show for it, and one
+        writing a checkpoint waits on the disk; a hung one sleeps in its collective or is
+        stopped."""
+        for pid in self.supervisor.pids(job_id).values():
+            try:
+                if psutil.Process(pid).status() in (psutil.STATUS_RUNNING, psutil.STATUS_DISK_SLEEP):
+                    return True
+            except psutil.Error:
+                pass
+        return False
+
     def _sample_cpu(self, keys: list[tuple[str, int]], now: float) -> None:
         for key in keys:
-            cpu = self._job_cpu_seconds(key[0])
             previous = self._cpu_last.get(key)
+            if previous is not None and now - previous[0] < MONITOR_PERIOD_S / 2:
+                continue  # an early wake-up: a rate over a few ms is clock-tick noise
+            cpu = self._job_cpu_seconds(key[0])
             self._cpu_last[key] = (now, cpu)
             if previous is not None and now > previous[0]:
                 self._cpu_rates[key] = (cpu - previous[1]) / (now - previous[0])

@@ -17,6 +17,7 @@ import pytest
 from tests.e2e.conftest import running
 from unicron.client import UnicronClient
 from unicron.localcluster import ROOT, LocalCluster, tiny_gpt
+from unicron.monitor import MonitorSettings
 from unicron.v1 import common_pb2
 
 pytestmark = pytest.mark.e2e
@@ -119,7 +120,7 @@ def test_a_stopped_trainer_is_a_hang_with_evidence(cluster: LocalCluster) -> Non
     assert incident.remedy == common_pb2.REMEDY_RESTART
     hang = next(r for r in incident.reports if r.kind == common_pb2.FAILURE_KIND_TASK_HANG)
     stats = dict(hang.statistics)
-    assert stats["silent_s"] > stats["threshold_s"] >= 1.0
+    assert stats["silent_s"] > stats["threshold_s"] >= MonitorSettings().floor_s
     assert "rank" in hang.stack_trace  # per-rank stacks or process states, taken before acting
     # Detected within k x mean iteration time (+ the monitor's period and the stack capture).
     assert latency(incident, fired) < stats["threshold_s"] + 1.5

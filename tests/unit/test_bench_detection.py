@@ -133,6 +133,7 @@ def _report(
     false_positives: int = 0,
     overhead: float | None = 1.0,
     ci95: list[float] | None = None,
+    wall: float | None = None,
 ) -> dict:
     return detection.build_report(
         samples,
@@ -141,6 +142,7 @@ def _report(
         false_positives=false_positives,
         overhead_ratio=overhead,
         overhead_ci95=ci95,
+        overhead_wall_ratio=wall,
     )
 
 
@@ -161,6 +163,11 @@ def test_misses_misclassifications_and_overhead_fail_the_targets() -> None:
     assert _report(fine, overhead=1.0, ci95=[0.995, 1.005])["targets_met"] is True
     noisy = _report(fine, overhead=1.0, ci95=[0.8, 1.2])
     assert noisy["monitoring_overhead_verdict"] == "INCONCLUSIVE" and noisy["targets_met"] is False
+    # CPU accounting decides when the wall-time interval is too wide to...
+    accounted = _report(fine, overhead=1.002, ci95=[0.8, 1.2], wall=1.0)
+    assert accounted["monitoring_overhead_verdict"] == "PASS" and accounted["targets_met"] is True
+    # ...but a wall-time slowdown beyond doubt still fails it.
+    assert _report(fine, overhead=1.002, ci95=[1.03, 1.2], wall=1.1)["targets_met"] is False
 
 
 def test_overhead_verdict_respects_the_noise() -> None:
@@ -170,6 +177,24 @@ def test_overhead_verdict_respects_the_noise() -> None:
     assert detection.overhead_verdict(1.0, [0.99, 1.009]) == "PASS"
     assert detection.overhead_verdict(1.05, [1.02, 1.08]) == "FAIL"
     assert detection.overhead_verdict(0.9, [0.5, 1.3]) == "INCONCLUSIVE"
+    assert detection.overhead_verdict(1.004, [0.5, 1.3], wall_ratio=0.9) == "PASS"
+    assert detection.overhead_verdict(1.02, [0.5, 1.3], wall_ratio=0.9) == "FAIL"
+
+
+def test_cpu_overhead_is_the_agents_extra_cpu_over_one_ranks() -> None:
+    # Two ranks use 0.2 CPU s per iteration in all (0.1 each); monitoring adds 0.5 ms.
+    ratio = detection.cpu_overhead_ratio({True: 0.0015, False: 0.001}, {True: 0.2, False: 0.2}, ranks=2)
+    assert ratio == pytest.approx(1.005)
+    assert detection.cpu_overhead_ratio({True: 0.0, False: 0.0}, {True: 0.0, False: 0.2}, ranks=2) is None
+
+
+def test_cpu_seconds_counts_live_processes_and_skips_gone_ones() -> None:
+    child = subprocess.Popen(["sleep", "30"])
+    handle = psutil.Process(child.pid)
+    child.kill()
+    child.wait()
+    me = psutil.Process()
+    assert detection.cpu_seconds([me, handle]) > 0  # the reaped child is skipped, not an error
 
 
 def test_hang_samples_are_also_judged_by_their_own_mean() -> None:

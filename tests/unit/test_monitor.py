@@ -72,7 +72,7 @@ def test_settings_reject_bad_values_naming_the_field(field: str, value: float) -
 
 def test_defaults_match_the_design() -> None:
     s = MonitorSettings()
-    assert (s.k, s.floor_s, s.warmup_iterations, s.window) == (3.0, 2.0, 3, 20)
+    assert (s.k, s.floor_s, s.warmup_iterations, s.window) == (3.0, 0.75, 3, 20)
 
 
 @pytest.mark.parametrize(
@@ -142,9 +142,10 @@ def test_no_hang_before_any_iteration() -> None:
     ],
 )
 def test_hang_exactly_after_the_threshold_and_not_before(period: float, threshold: float) -> None:
-    monitor = make()
+    monitor = make(floor_s=2.0)
     last = run_steady(monitor, 10, period, 100.0)
     assert monitor.mean_iteration_s == pytest.approx(period)
+    assert monitor.hang_due_at() == pytest.approx(last + threshold)  # when an observer should look
     assert monitor.check(last + threshold - 1e-6) == []
     assert monitor.check(last + threshold) == []  # "within" the threshold is not a hang
     [finding] = monitor.check(last + threshold + 1e-6)
@@ -156,6 +157,14 @@ def test_hang_exactly_after_the_threshold_and_not_before(period: float, threshol
     assert finding.evidence["silent_s"] == pytest.approx(threshold + 1e-6)
     assert finding.evidence["last_iteration"] == 10.0
     assert "no iteration for" in finding.message
+    assert monitor.hang_due_at() is None  # reported: nothing more is due until progress re-arms it
+
+
+def test_no_hang_is_due_during_warm_up() -> None:
+    monitor = make(warmup_iterations=3)
+    assert monitor.hang_due_at() is None
+    last = run_steady(monitor, 3, 0.1, 100.0)
+    assert monitor.hang_due_at() == pytest.approx(last + 0.75)  # the default floor
 
 
 def test_hang_first_seen_does_not_depend_on_when_checked() -> None:
@@ -383,7 +392,9 @@ def test_a_flood_of_valid_reports_is_cheap() -> None:
         monitor.observe(rank, iteration, seconds, compute, now)
     elapsed = time.perf_counter() - started
     assert len(reports) == 100_000
-    assert elapsed < 1.0, f"100k observes took {elapsed:.2f}s"
+    # A bound for the complexity, not a benchmark: O(1) per report takes well under a second
+    # on an idle machine, a window scan per report would take minutes; the slack is for load.
+    assert elapsed < 10.0, f"100k observes took {elapsed:.2f}s"
     assert monitor.iterations_completed == 12_500
 
 
