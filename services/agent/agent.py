@@ -49,6 +49,10 @@ STACK_WAIT_S = 0.1
 # NCCL can spin the CPU too.
 HANG_HOLD_THRESHOLDS = 3.0
 BUSY_CORES = 0.25
+# A suspected hang whose trainers' threads together waited in the CPU run queue this many
+# seconds per second is held: a starved compute thread waits nearly all the time, while a
+# hung job's threads sleep and only its background threads queue now and then.
+STARVED_WAIT = 0.25
 STACK_BYTES = 16 * 1024
 
 
@@ -102,6 +106,27 @@ def _catches(pid: int, sig: signal.Signals) -> bool:
     return False
 
 
+def _run_queue(pid: int) -> tuple[float, bool]:
+    """Seconds the process's threads have waited for a CPU (/proc/<pid>/task/*/schedstat,
+    second field, in ns), and whether one of them is runnable now (state R in its stat);
+    (0, False) for a process that is gone."""
+    waited, runnable = 0, False
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0.0, False
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as stat:
+                waited += int(stat.read().split()[1])
+            with open(f"/proc/{pid}/task/{task}/stat") as stat:
+                # The state follows the command name, which is in parentheses and may hold spaces.
+                runnable = runnable or stat.read().rpartition(")")[2].split()[0] == "R"
+        except (OSError, IndexError, ValueError):
+            continue
+    return waited / 1e9, runnable
+
+
 def _stamp(message: common_pb2.FailureReport, at: float) -> common_pb2.FailureReport:
     message.first_seen.FromNanoseconds(int(at * 1e9))
     return message
@@ -138,6 +163,8 @@ class Agent:
         # Per job generation: the CPU rate of its local trainers over the last tick, in cores.
         self._cpu_rates: dict[tuple[str, int], float] = {}
         self._cpu_last: dict[tuple[str, int], tuple[float, float]] = {}
+        # (when, run-queue seconds) of a suspected hang's trainers at the previous look.
+        self._wait_marks: dict[tuple[str, int], tuple[float, float]] = {}
         spares = SparePool(
             settings.warm_spares,
             settings.spare_command,
@@ -320,6 +347,7 @@ class Agent:
                 verdict = self._judge_hang(key, finding, progress.get(key), now)
                 if verdict is not None:
                     del self._suspected_hangs[key]
+                    self._wait_marks.pop(key, None)
                     if verdict:
                         self._report_finding(finding)
 
@@ -335,12 +363,28 @@ class Agent:
             or last_progress > finding.first_seen - threshold
         ):
             return False  # the job was forgotten, or an iteration finished after all
-        busy = self._cpu_rates.get(key, 0.0) > BUSY_CORES or self._runnable(key[0])
+        starved = self._starved(key, now)
+        busy = starved or self._cpu_rates.get(key, 0.0) > BUSY_CORES or self._runnable(key[0])
         if busy and now < finding.first_seen + (HANG_HOLD_THRESHOLDS - 1) * threshold:
             return None
         finding.evidence["held_s"] = max(0.0, now - finding.first_seen)
         finding.evidence["cpu_cores"] = self._cpu_rates.get(key, 0.0)
         return True
+
+    def _starved(self, key: tuple[str, int], now: float) -> bool:
+        """Whether the job's trainers are waiting for a CPU: a job starved by other load is
+        not hung, and a hung one does not queue for the CPU. At the first look, whether a
+        thread is runnable (nothing to compare yet); later, whether their threads waited in
+        the run queue (the kernel's schedstat run delay) more than STARVED_WAIT since then."""
+        waited, runnable = 0.0, False
+        for pid in self.supervisor.pids(key[0]).values():
+            seconds, queued = _run_queue(pid)
+            waited, runnable = waited + seconds, runnable or queued
+        mark = self._wait_marks.get(key)
+        self._wait_marks[key] = (now, waited)
+        if mark is None:
+            return runnable
+        return now > mark[0] and (waited - mark[1]) / (now - mark[0]) > STARVED_WAIT
 
     def _runnable(self, job_id: str) -> bool:
         """Whether a trainer of the job is running or waiting for the CPU or a disk now. A
