@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 GEN_STAMP := unicron/v1/.generated
 PROTOS := $(wildcard proto/unicron/v1/*.proto)
 
-.PHONY: all venv gen redis demo test test-unit lint fmt clean bench-planner bench-detect bench-transition bench-sim
+.PHONY: all venv gen redis demo certs test test-unit lint fmt clean bench-planner bench-detect bench-transition bench-sim bench-load compose-test deploy-lock
 
 all: test
 
@@ -34,6 +34,14 @@ redis:
 demo: gen redis
 	$(PY) -m unicron.demo
 
+# A development CA, certificates and tokens in run/certs (see README, Security):
+# `make certs NODES=n1,n2 USERS=admin:admin,alice HOSTS=myhost`.
+NODES ?= $(shell hostname)
+USERS ?= admin:admin
+HOSTS ?=
+certs: gen
+	$(PY) -m unicron.cli certs --out run/certs --nodes "$(NODES)" --users "$(USERS)" --hosts "$(HOSTS)"
+
 test: gen redis
 	$(PY) -m ruff check .
 	$(PY) -m mypy
@@ -54,6 +62,25 @@ bench-transition: gen redis
 
 bench-sim: gen
 	$(PY) -m bench.sim
+
+bench-load: gen redis
+	$(PY) -m bench.load
+
+# The stack of deploy/compose.yaml as containers on this machine, a job healed in it, all
+# torn down after (scripts/compose_test.py). Needs root; not part of `make test`.
+compose-test: gen
+	$(PY) scripts/compose_test.py
+
+# Pins every package of the image (deploy/requirements.lock) from deploy/requirements.txt.
+deploy-lock:
+	rm -rf .cache/lock-venv
+	$(PYTHON) -m venv .cache/lock-venv
+	.cache/lock-venv/bin/pip install --quiet --disable-pip-version-check -r deploy/requirements.txt
+	{ echo "# Every package of the image, pinned (\`make deploy-lock\` writes this file from"; \
+	  echo "# requirements.txt: pip freeze of a fresh venv, plus its lines with environment markers)."; \
+	  .cache/lock-venv/bin/pip freeze --all | grep -v '^pip=='; \
+	  grep ';' deploy/requirements.txt | grep -v '^#'; } > deploy/requirements.lock
+	rm -rf .cache/lock-venv
 
 lint: gen
 	$(PY) -m ruff check .

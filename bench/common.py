@@ -1,11 +1,13 @@
-"""What every benchmark here shares: percentiles, timestamps, progress lines."""
+"""What every benchmark here shares: percentiles, timestamps, progress lines, results files."""
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 import time
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 
@@ -27,3 +29,9 @@ def stamp_seconds(stamp: Any) -> float:
 def log(message: str) -> None:
     """A timestamped progress line on stderr (the results table goes to stdout)."""
     print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def write_results(path: Path, results: dict[str, Any]) -> None:
+    """The results file: strict JSON (no NaN, which strict parsers refuse), indented."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2, allow_nan=False) + "\n")

@@ -17,7 +17,6 @@ See bench/README.md for what is measured and what is modeled.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import shutil
@@ -36,7 +35,7 @@ from typing import Any
 
 import psutil
 
-from bench.common import log, percentile, stamp_seconds
+from bench.common import log, percentile, stamp_seconds, write_results
 from unicron.client import UnicronClient
 from unicron.faults import parse_fault
 from unicron.localcluster import LocalCluster, tiny_gpt
@@ -1030,8 +1029,7 @@ def main(argv: list[str] | None = None) -> int:
     if not quiet:
         report["false_positives"] = None
         report["targets_met"] = False
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_results(args.out, report)
     print(format_table(report))
     print(f"\nwrote {args.out}")
     return 0

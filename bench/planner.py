@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import percentile
+from bench.common import percentile, write_results
 from services.planner import domain, dp, solver
 from services.planner.domain import Job, Node, PlanRequest, ThroughputEstimate, Transition
 
@@ -266,10 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"case {jobs} jobs x {nodes} nodes ...", file=sys.stderr, flush=True)
         cases.append(_run_in_subprocess(jobs, nodes, args))
     targets = _targets(cases)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps({"cases": cases, "targets": targets, "targets_met": all(t["met"] for t in targets)}, indent=2) + "\n"
-    )
+    write_results(args.out, {"cases": cases, "targets": targets, "targets_met": all(t["met"] for t in targets)})
     print(_table(cases))
     print()
     for t in targets:

@@ -12,7 +12,6 @@ measurement, not a test. See bench/README.md ("Simulator").
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -20,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import unicron.sim as sim
-from bench.common import log
+from bench.common import log, write_results
 from unicron.sim import report, strategies, traces
 
 RESULTS = Path(__file__).resolve().parent / "results" / "sim.json"
@@ -172,8 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         "notes": NOTES,
     }
     data["targets_met"] = all(t["met"] for t in data["targets"])
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(data, indent=2, allow_nan=False) + "\n")
+    write_results(args.out, data)
     print(format_table(data))
     print(f"\nwrote {args.out} and {args.plot} ({data['wall_s']:.0f} s)")
     return 0

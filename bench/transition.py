@@ -20,7 +20,6 @@ is 0 whatever the numbers: this is a measurement, not a test. See bench/README.m
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import random
@@ -42,7 +41,7 @@ from typing import Any
 import psutil
 from google.protobuf import json_format
 
-from bench.common import log, percentile, stamp_seconds
+from bench.common import log, percentile, stamp_seconds, write_results
 from bench.detection import job_trainers
 from unicron import jobspec
 from unicron.client import ClientError, UnicronClient
@@ -928,8 +927,7 @@ def main(argv: list[str] | None = None) -> int:
             "notes": NOTES,
         },
     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
+    write_results(args.out, report)
     print(format_table(report))
     print(f"\nwrote {args.out} ({environment['wall_s']:.0f} s)")
     return 0

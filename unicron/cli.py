@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import sys
 import time
 from collections.abc import Sequence
@@ -325,12 +326,47 @@ def build_parser() -> argparse.ArgumentParser:
     inject.add_argument("fault", help="what to inject, e.g. crash@5 or exception:ecc_error")
     inject.add_argument("--rank", type=int, default=0, help="rank that misbehaves (default 0)")
     simulate_cli.add_parser(sub)
+    certs = sub.add_parser(
+        "certs",
+        help="create a development CA, certificates and tokens (not for production)",
+        description="Writes ca.pem, a certificate per service, node and user, tokens.yaml (the "
+        "coordinator's --tokens-file), join-token and <user>.env (source it to use the CLI). An "
+        "existing CA and tokens are kept.",
+    )
+    certs.add_argument("--out", default="run/certs", help="directory (default %(default)s)")
+    certs.add_argument("--nodes", default=socket.gethostname(), help="node ids, comma-separated (default %(default)s)")
+    certs.add_argument(
+        "--users", default="admin:admin", help="users, name[:admin], comma-separated (default %(default)s)"
+    )
+    certs.add_argument("--hosts", default="", help="more host names or IPs the services answer on, comma-separated")
     return parser
+
+
+def make_certs(args: argparse.Namespace, out: TextIO) -> int:
+    from pathlib import Path
+
+    from unicron.certs import create_dev_pki, parse_users
+
+    nodes = [n.strip() for n in args.nodes.split(",") if n.strip()]
+    hosts = [h.strip() for h in args.hosts.split(",") if h.strip()]
+    pki = create_dev_pki(Path(args.out), nodes=nodes, users=parse_users(args.users), hosts=hosts)
+    d = pki.directory
+    out.write(f"wrote a development CA and certificates to {d}\n")
+    out.write(f"  coordinator: --tls-ca {pki.ca} --tls-cert {d}/coordinator.pem --tls-key {d}/coordinator-key.pem\n")
+    out.write(f"               --tokens-file {pki.tokens_file}\n")
+    out.write(f"  planner:     --tls-ca {pki.ca} --tls-cert {d}/planner.pem --tls-key {d}/planner-key.pem\n")
+    for node, leaf in pki.nodes.items():
+        out.write(f"  agent {node}: --node-id {node} --tls-ca {pki.ca} --tls-cert {leaf.cert} --tls-key {leaf.key}\n")
+    for user in pki.clients:
+        out.write(f"  CLI as {user}: source {d}/{user}.env\n")
+    return 0
 
 
 def run(args: argparse.Namespace, out: TextIO) -> int:
     if args.command == "simulate":  # in process: no coordinator needed
         return simulate_cli.run(args, out)
+    if args.command == "certs":
+        return make_certs(args, out)
     with UnicronClient(args.coordinator) as client:
         if args.command == "submit":
             job = client.submit(jobspec.normalized(jobspec.load_spec_file(args.spec)))

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import grpc
 
 from unicron import rpc
+from unicron.security import ClientSecurity, client_security_for
 from unicron.v1 import common_pb2, job_service_pb2, job_service_pb2_grpc
 
 DEFAULT_COORDINATOR = "127.0.0.1:50051"
@@ -23,17 +24,25 @@ class ClientError(Exception):
 def _unwrap(exc: grpc.RpcError, address: str) -> ClientError:
     code = exc.code()
     if code == grpc.StatusCode.UNAVAILABLE:
+        # A TLS handshake that fails (a wrong UNICRON_TLS_CA, a plaintext server) looks the same.
         return ClientError(code, f"cannot reach the coordinator at {address} (is it running?)")
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return ClientError(code, f"not authenticated: {exc.details()} (set UNICRON_TOKEN or UNICRON_TOKEN_FILE)")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return ClientError(code, f"the coordinator at {address} did not answer in time")
     return ClientError(code, exc.details() or code.name)
 
 
 class UnicronClient:
-    def __init__(self, address: str = DEFAULT_COORDINATOR, timeout_s: float = 10.0) -> None:
+    def __init__(
+        self, address: str = DEFAULT_COORDINATOR, timeout_s: float = 10.0, security: ClientSecurity | None = None
+    ) -> None:
+        """`security` None: a local cluster's credentials for this address, else the
+        environment's (UNICRON_TLS_CA, UNICRON_TOKEN, ...: ClientSecurity.from_env)."""
         self.address = address
         self._timeout_s = timeout_s
-        self._channel = rpc.channel(address)
+        self.security = security if security is not None else client_security_for(address)
+        self._channel = rpc.channel(address, self.security)
         self._stub = job_service_pb2_grpc.JobServiceStub(self._channel)
 
     def close(self) -> None:

@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     code = 1
     try:
         cluster.start()
+        print(f"every call over mutual TLS with tokens (a development CA in {run_dir / 'certs'})")
         with UnicronClient(cluster.coordinator) as client:
             cluster.wait_nodes(client.nodes, 2)
             say("nodes")

@@ -38,3 +38,11 @@ class ResourceExhausted(UnicronError):
 
 class Conflict(UnicronError):
     """An optimistic-concurrency write lost a race; the caller re-reads and retries."""
+
+
+class Unauthenticated(UnicronError):
+    """The caller did not prove who it is (no credentials, or ones that are not valid)."""
+
+
+class PermissionDenied(UnicronError):
+    """The caller is known but may not make this call."""

@@ -1,5 +1,10 @@
 """Every service as a local process on 127.0.0.1: what `make demo` and the end-to-end
-tests run. Stops cleanly, leaving no process behind."""
+tests run. Stops cleanly, leaving no process behind.
+
+Secure like a real cluster unless told otherwise: it makes a development CA, certificates
+and tokens in `<run_dir>/certs` (unicron.certs), so every call goes over mutual TLS with
+tokens. In-process clients (`UnicronClient(cluster.coordinator)`) find the admin's
+credentials by address; a CLI in a subprocess takes them from `client_env()`."""
 
 from __future__ import annotations
 
@@ -17,8 +22,11 @@ import psutil
 
 from services.agent.supervisor import REGISTRY_FILE
 from unicron import jobspec, redisutil, rpc
-from unicron.errors import Unavailable
+from unicron.certs import DevPKI, User, create_dev_pki
+from unicron.client import UnicronClient
+from unicron.errors import FailedPrecondition, Unavailable
 from unicron.redisutil import LocalRedis, free_port
+from unicron.security import ClientSecurity, forget_client_security, load_tls, register_client_security
 from unicron.v1 import common_pb2
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -74,8 +82,43 @@ class LocalCluster:
     warm_spares: int = 0
     agent_args: list[str] = field(default_factory=list)
     extra_env: dict[str, str] = field(default_factory=dict)
+    # Mutual TLS and tokens (a development CA in <run_dir>/certs); False: every service runs
+    # with --plaintext and authenticates no one.
+    secure: bool = True
     services: list[Service] = field(default_factory=list)
+    pki: DevPKI | None = None
     _redis: LocalRedis | None = None
+    _registered: list[str] = field(default_factory=list)
+
+    # An admin and a plain user, for tests of who sees what.
+    USERS = (User("admin", admin=True), User("alice"))
+
+    def client_security(self, user: str = "admin") -> ClientSecurity:
+        """How a client calls this cluster as `user` (plaintext without a token when not secure)."""
+        if self.pki is None:
+            return ClientSecurity.plaintext()
+        leaf = self.pki.clients[user]
+        return ClientSecurity(load_tls(str(self.pki.ca), str(leaf.cert), str(leaf.key)), self.pki.tokens[user])
+
+    def client_env(self, user: str = "admin") -> dict[str, str]:
+        """The environment for a `unicron` CLI in a subprocess, as `user`."""
+        return self.pki.env(user) if self.pki is not None else {"UNICRON_PLAINTEXT": "1"}
+
+    def client(self, user: str = "admin", timeout_s: float = 10.0) -> UnicronClient:
+        return UnicronClient(self.coordinator, timeout_s=timeout_s, security=self.client_security(user))
+
+    def _service_security(self) -> ClientSecurity:
+        """For health checks: any certificate of the CA will do."""
+        return self.client_security()
+
+    def _tls_args(self, name: str) -> list[str]:
+        if self.pki is None:
+            return ["--plaintext"]
+        if name.startswith("node-"):
+            leaf = self.pki.nodes[name]
+        else:
+            leaf = self.pki.services["planner" if name.startswith("planner") else "coordinator"]
+        return ["--tls-ca", str(self.pki.ca), "--tls-cert", str(leaf.cert), "--tls-key", str(leaf.key)]
 
     @property
     def coordinator(self) -> str:
@@ -106,7 +149,11 @@ class LocalCluster:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             name = self.active_coordinator()
-            if name is not None and name != not_this and rpc.wait_ready(self.service(name).address, timeout_s=0.5):
+            if (
+                name is not None
+                and name != not_this
+                and rpc.wait_ready(self.service(name).address, timeout_s=0.5, security=self._service_security())
+            ):
                 return name
             time.sleep(0.05)
         raise Unavailable(f"no coordinator took over within {timeout_s}s")
@@ -135,6 +182,9 @@ class LocalCluster:
     def start(self, timeout_s: float = 60.0) -> LocalCluster:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         try:
+            if self.secure:
+                nodes = [self._node_id(i) for i in range(self.agents)]
+                self.pki = create_dev_pki(self.run_dir / "certs", nodes=nodes, users=self.USERS)
             if self.redis_url is None:
                 self._redis = LocalRedis(self.run_dir / "redis").start()
                 self.redis_url = self._redis.url
@@ -149,6 +199,7 @@ class LocalCluster:
                 str(self.heartbeat_timeout_s),
                 "--lease-ttl-s",
                 str(self.lease_ttl_s),
+                *(["--tokens-file", str(self.pki.tokens_file)] if self.pki is not None else []),
             ]
             # The first becomes active; the others start once it serves, as standbys.
             self._wait_ready([self._spawn("coordinator", "services.coordinator", coordinator_args)], timeout_s)
@@ -157,8 +208,10 @@ class LocalCluster:
             for service in self.coordinator_services()[1:]:
                 self._wait_standby(service, 0, timeout_s)
             coordinator = self.coordinator
+            self._registered = [coordinator, *(s.address for s in self.coordinator_services())]
+            register_client_security(self._registered, self.client_security())
             for i in range(self.agents):
-                node_id = f"node-{chr(ord('a') + i)}"
+                node_id = self._node_id(i)
                 self._spawn(
                     node_id,
                     "services.agent",
@@ -188,9 +241,13 @@ class LocalCluster:
             raise
         return self
 
+    @staticmethod
+    def _node_id(index: int) -> str:
+        return f"node-{chr(ord('a') + index)}"
+
     def _spawn(self, name: str, module: str, args: list[str], bind: str | None = None) -> str:
         address = bind or f"127.0.0.1:{free_port()}"
-        argv = [sys.executable, "-m", module, "--bind", address, *args]
+        argv = [sys.executable, "-m", module, "--bind", address, *self._tls_args(name), *args]
         self.services.append(
             Service(name, address, self._popen(argv, self.run_dir / f"{name}.log"), self.run_dir / f"{name}.log", argv)
         )
@@ -237,7 +294,7 @@ class LocalCluster:
         deadline = time.monotonic() + timeout_s
         for address in addresses:
             service = next(s for s in self.services if s.address == address)
-            while not rpc.wait_ready(address, timeout_s=1.0):
+            while not rpc.wait_ready(address, timeout_s=1.0, security=self._service_security()):
                 if service.proc.poll() is not None:
                     raise Unavailable(
                         f"{service.name} exited with code {service.proc.returncode}; see {service.log_path}"
@@ -255,6 +312,14 @@ class LocalCluster:
                 return
             time.sleep(0.2)
         raise Unavailable(f"fewer than {count} agents registered within {timeout_s}s")
+
+    def restart_redis(self) -> None:
+        """Kills this cluster's Redis (SIGKILL, as a crash would) and starts it again on the
+        same port and data directory; its append-only file brings every write back."""
+        if self._redis is None:
+            raise FailedPrecondition("this cluster uses a Redis it did not start")
+        self._redis.kill()
+        self._redis.start()
 
     def kill(self, name: str, sig: signal.Signals = signal.SIGKILL) -> None:
         self.service(name).proc.send_signal(sig)
@@ -279,6 +344,8 @@ class LocalCluster:
                 service.proc.kill()
                 service.proc.wait()
         self.services.clear()
+        forget_client_security(self._registered)
+        self._registered = []
         if self._redis:
             self._redis.stop()
             self._redis = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from time import monotonic
 
@@ -30,13 +31,18 @@ class TokenBucket:
 
 
 class KeyedLimiter:
-    """One bucket per key (a node, a worker), created on first use."""
+    """One bucket per key (a node, a worker, a connection), created on first use. At most
+    `max_keys` are kept: past that the least recently used goes (keys that come and go, such
+    as connections, must not grow the table forever); it starts again with a full bucket."""
 
-    def __init__(self, rate_per_s: float, burst: float, clock: Callable[[], float] = monotonic) -> None:
+    def __init__(
+        self, rate_per_s: float, burst: float, clock: Callable[[], float] = monotonic, max_keys: int = 100_000
+    ) -> None:
         self._rate = rate_per_s
         self._burst = burst
         self._clock = clock
-        self._buckets: dict[str, TokenBucket] = {}
+        self._max_keys = max_keys
+        self._buckets: OrderedDict[str, TokenBucket] = OrderedDict()
         self._lock = threading.Lock()
 
     def allow(self, key: str, cost: float = 1.0) -> bool:
@@ -44,7 +50,14 @@ class KeyedLimiter:
             bucket = self._buckets.get(key)
             if bucket is None:
                 bucket = self._buckets[key] = TokenBucket(self._rate, self._burst, self._clock)
+                if len(self._buckets) > self._max_keys:
+                    self._buckets.popitem(last=False)
+            else:
+                self._buckets.move_to_end(key)
         return bucket.allow(cost)
+
+    def __len__(self) -> int:
+        return len(self._buckets)
 
     def forget(self, key: str) -> None:
         with self._lock:

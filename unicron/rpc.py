@@ -18,12 +18,25 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from unicron import errors, telemetry
+from unicron.security import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    ClientSecurity,
+    Guard,
+    Limits,
+    ServerSecurity,
+    client_interceptor,
+)
 
 log = logging.getLogger(__name__)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+MAX_MESSAGE_BYTES = DEFAULT_MAX_MESSAGE_BYTES
+# A unary call made without a timeout gets this one (servers refuse calls without a deadline).
+DEFAULT_CALL_TIMEOUT_S = 30.0
+# What an in-process server (tests) is without a configuration: plaintext, every caller
+# trusted, calls without deadlines accepted.
+IN_PROCESS = ServerSecurity(limits=Limits(require_deadline=False))
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -40,8 +53,6 @@ CHANNEL_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 5000),
 ]
 SERVER_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
 ]
@@ -54,6 +65,8 @@ STATUS_OF: dict[type[errors.UnicronError], grpc.StatusCode] = {
     errors.Unavailable: grpc.StatusCode.UNAVAILABLE,
     errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.Conflict: grpc.StatusCode.ABORTED,
+    errors.Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    errors.PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
 }
 
 
@@ -102,21 +115,37 @@ def _is_generator(fn: Callable[..., Any]) -> bool:
 
 
 class Server:
-    """A gRPC server with health checking and reflection, stopped gracefully on SIGTERM."""
+    """A gRPC server with health checking and reflection, stopped gracefully on SIGTERM.
 
-    def __init__(self, *, bind: str, max_workers: int, grace_s: float = 5.0) -> None:
+    Every call passes the security Guard first (unicron.security): TLS, who calls, the
+    policy, limits. Without `security` it serves plaintext and trusts every caller, which is
+    for in-process tests; services pass what their configuration says (run_server)."""
+
+    def __init__(
+        self, *, bind: str, max_workers: int, grace_s: float = 5.0, security: ServerSecurity | None = None
+    ) -> None:
         self._grace_s = grace_s
+        self.security = security if security is not None else IN_PROCESS
+        limit = self.security.limits.max_message_bytes
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
-            interceptors=telemetry.server_interceptors(),
-            options=SERVER_OPTIONS,
+            interceptors=[Guard(self.security, max_workers), *telemetry.server_interceptors()],
+            options=[
+                ("grpc.max_send_message_length", limit),
+                ("grpc.max_receive_message_length", limit),
+                *SERVER_OPTIONS,
+            ],
             # Bounds the work queue as well as the pool: excess calls get RESOURCE_EXHAUSTED.
             maximum_concurrent_rpcs=max_workers * 4,
         )
         self._health = health.HealthServicer(experimental_non_blocking=True)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         self._service_names: list[str] = [health.SERVICE_NAME, reflection.SERVICE_NAME]
-        self.port = self._server.add_insecure_port(bind)
+        credentials = self.security.credentials()
+        if credentials is None:
+            self.port = self._server.add_insecure_port(bind)
+        else:
+            self.port = self._server.add_secure_port(bind, credentials)
         if self.port == 0:
             raise errors.Unavailable(f"cannot bind gRPC server to {bind}")
         host = bind.rsplit(":", 1)[0]
@@ -202,16 +231,38 @@ def target(address: str) -> str:
     return ("ipv6:" + ",".join(v6)) if v6 else ("ipv4:" + ",".join(v4))
 
 
-def channel(address: str) -> grpc.Channel:
+def channel(
+    address: str, security: ClientSecurity | None = None, default_timeout_s: float = DEFAULT_CALL_TIMEOUT_S
+) -> grpc.Channel:
     """A client channel with the shared options and tracing interceptors; `address` may
-    list several servers, comma-separated, of which one serves (see `target`)."""
-    return telemetry.traced_channel(grpc.insecure_channel(target(address), options=CHANNEL_OPTIONS))
+    list several servers, comma-separated, of which one serves (see `target`). `security`
+    None: plaintext, no token (in-process tests; services pass their configuration's)."""
+    token = security.token if security is not None else ""
+    raw = _raw_channel(address, security)
+    return telemetry.traced_channel(grpc.intercept_channel(raw, client_interceptor(token, default_timeout_s)))
 
 
-def wait_ready(address: str, timeout_s: float) -> bool:
+def _raw_channel(address: str, security: ClientSecurity | None) -> grpc.Channel:
+    resolved = target(address)
+    credentials = security.credentials() if security is not None else None
+    if credentials is None:
+        return grpc.insecure_channel(resolved, options=CHANNEL_OPTIONS)
+    return grpc.secure_channel(resolved, credentials, options=[*CHANNEL_OPTIONS, *_tls_name(address, resolved)])
+
+
+def _tls_name(address: str, resolved: str) -> list[tuple[str, str]]:
+    """A list of servers becomes one `ipv4:` target, whose authority is no host name: the
+    servers' certificates are checked against the first listed host instead."""
+    if resolved == address.strip():
+        return []
+    host = split_addresses(address)[0].rpartition(":")[0].strip("[]")
+    return [("grpc.ssl_target_name_override", host)]
+
+
+def wait_ready(address: str, timeout_s: float, security: ClientSecurity | None = None) -> bool:
     """True once the server at address (or one of the listed ones) answers health checks
     as SERVING."""
-    with grpc.insecure_channel(target(address)) as chan:
+    with _raw_channel(address, security) as chan:
         stub = health_pb2_grpc.HealthStub(chan)
         try:
             grpc.channel_ready_future(chan).result(timeout=timeout_s)

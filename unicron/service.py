@@ -4,16 +4,21 @@ defaults), structured logs, telemetry, a gRPC server, graceful SIGTERM, clean ex
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
+from urllib.parse import urlsplit, urlunsplit
 
-from unicron import rpc
+from unicron import redisutil, rpc
 from unicron.config import load_config
 from unicron.errors import UnicronError
 from unicron.logs import setup_logging
+from unicron.security import ClientSecurity, ServerSecurity, TLSConfig, server_security
 from unicron.telemetry import setup_telemetry, shutdown_telemetry
 
 
@@ -28,6 +33,69 @@ class ServiceConfig(Protocol):
 
 C = TypeVar("C", bound=ServiceConfig)
 EXIT_CONFIG = 2
+# A dependency unreachable at start (sysexits' EX_UNAVAILABLE): the supervisor restarts us.
+EXIT_UNAVAILABLE = 69
+# How long a starting service waits for its dependencies: long enough for a stack started
+# all at once (compose, a Kubernetes rollout) to come up, short enough that a wrong address
+# shows as a restarting container rather than one that looks started and does nothing.
+DEPENDENCY_TIMEOUT_ENV = "UNICRON_DEPENDENCY_TIMEOUT_S"
+DEFAULT_DEPENDENCY_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class Dependency:
+    """Something a service cannot work without, checked before it binds its port."""
+
+    name: str
+    address: str
+    reachable: Callable[[], bool]
+
+
+def redis_dependency(url: str) -> Dependency:
+    return Dependency("redis", _without_password(url), lambda: redisutil.reachable(url))
+
+
+def grpc_dependency(name: str, address: str, security: ClientSecurity | None = None) -> Dependency:
+    """A gRPC service answering health checks as SERVING (one of them, for a list)."""
+
+    def reachable() -> bool:
+        try:
+            return rpc.wait_ready(address, timeout_s=1.0, security=security)
+        except UnicronError:  # a listed host name that does not resolve (yet)
+            return False
+
+    return Dependency(name, address, reachable)
+
+
+def _without_password(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def dependency_timeout_s() -> float:
+    raw = os.environ.get(DEPENDENCY_TIMEOUT_ENV, "")
+    try:
+        return float(raw) if raw else DEFAULT_DEPENDENCY_TIMEOUT_S
+    except ValueError:
+        return DEFAULT_DEPENDENCY_TIMEOUT_S
+
+
+def wait_for(dependencies: Sequence[Dependency], timeout_s: float, stopping: threading.Event) -> Dependency | None:
+    """The first dependency still unreachable after timeout_s (None when all answer, or
+    when `stopping` is set meanwhile)."""
+    deadline = time.monotonic() + timeout_s
+    for dependency in dependencies:
+        while not dependency.reachable():
+            if stopping.is_set():
+                return None
+            if time.monotonic() >= deadline:
+                return dependency
+            stopping.wait(0.2)
+    return None
 
 
 def run_server(
@@ -36,13 +104,23 @@ def run_server(
     argv: Sequence[str],
     setup: Callable[[C, rpc.Server, logging.Logger], Callable[[], Any] | None],
     prepare: Callable[[C, logging.Logger, threading.Event], bool] | None = None,
+    dependencies: Callable[[C], Sequence[Dependency]] | None = None,
+    security: Callable[[C], ServerSecurity] | None = None,
 ) -> int:
     """Loads the config, then `setup` adds servicers to the server (and returns what to
     start once it serves, if anything); serves until SIGTERM or SIGINT.
 
+    `dependencies`, when given, must all be reachable within UNICRON_DEPENDENCY_TIMEOUT_S
+    (60 s) before anything else happens; otherwise one log line names the first that is
+    not, and the process exits with EXIT_UNAVAILABLE without having served.
+
     `prepare`, when given, runs before the port is bound (a standby waits there for its
     lease); it gets an event set by SIGTERM or SIGINT meanwhile, and returning False ends
-    the process cleanly without serving."""
+    the process cleanly without serving.
+
+    `security` makes the server's ServerSecurity from the config (by default, for a config
+    with TLSConfig's settings, its TLS and certificate authentication); what runs less than
+    secure is said in WARNING lines before serving."""
     try:
         config = load_config(
             config_class, env_prefix=f"UNICRON_{name.upper()}", argv=argv, description=f"Unicron {name}"
@@ -53,7 +131,7 @@ def run_server(
     log = setup_logging(name, config.log_level)
     setup_telemetry(name)
     stopping = threading.Event()
-    if prepare is not None:
+    if prepare is not None or dependencies is not None:
 
         def stop_preparing(signum: int, _frame: Any) -> None:
             log.info("received %s, shutting down", signal.Signals(signum).name)
@@ -61,11 +139,33 @@ def run_server(
 
         signal.signal(signal.SIGTERM, stop_preparing)
         signal.signal(signal.SIGINT, stop_preparing)
+    if dependencies is not None:
+        timeout_s = dependency_timeout_s()
+        missing = wait_for(dependencies(config), timeout_s, stopping)
+        if missing is not None:
+            log.error(
+                "%s unreachable at %s after %gs; exiting",
+                missing.name,
+                missing.address,
+                timeout_s,
+                extra={"dependency": missing.name, "exit_code": EXIT_UNAVAILABLE},
+            )
+            return EXIT_UNAVAILABLE
+        if stopping.is_set():
+            log.info("%s stopped before serving", name)
+            return 0
+    if prepare is not None:
         if not prepare(config, log, stopping):
             log.info("%s stopped before serving", name)
             return 0
     try:
-        server = rpc.Server(bind=config.bind, max_workers=config.max_workers)
+        if security is not None:
+            secured: ServerSecurity | None = security(config)
+        else:
+            secured = server_security(config) if isinstance(config, TLSConfig) else None
+        for warning in secured.warnings(name) if secured is not None else []:
+            log.warning(warning)
+        server = rpc.Server(bind=config.bind, max_workers=config.max_workers, security=secured)
         after_start = setup(config, server, log)
     except UnicronError as exc:
         log.error(str(exc))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import socket
 import sys
@@ -14,7 +15,8 @@ from services.agent.health import default_checks
 from unicron import rpc
 from unicron.config import require
 from unicron.monitor import MonitorSettings
-from unicron.service import run_server
+from unicron.security import ClientSecurity, ServerSecurity, TLSConfig, WorkerTokens, read_token_file, server_security
+from unicron.service import grpc_dependency, run_server
 from unicron.v1 import trainer_service_pb2_grpc
 
 # The monitor's own defaults: the flags' defaults and what the bench reports cannot drift apart.
@@ -22,7 +24,7 @@ _MONITOR_DEFAULTS = MonitorSettings()
 
 
 @dataclass(frozen=True)
-class AgentConfig:
+class AgentConfig(TLSConfig):
     node_id: str = socket.gethostname()
     bind: str = "127.0.0.1:0"
     coordinator: str = "127.0.0.1:50051"
@@ -50,8 +52,14 @@ class AgentConfig:
     # skips seconds of imports; each costs the memory of an idle trainer (a few hundred MB).
     warm_spares: int = 1
     log_level: str = "info"
+    # The cluster's join token (a file holding it), for a coordinator that does not know this
+    # node by its certificate (node:<node_id>).
+    join_token_file: str = ""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.join_token_file:
+            read_token_file("join_token_file", self.join_token_file)
         require(bool(self.node_id), "node_id", "is required")
         require(":" in self.bind, "bind", "must be host:port")
         require(":" in self.coordinator, "coordinator", "must be host:port")
@@ -74,7 +82,31 @@ def snapshot_root(config: AgentConfig, work_dir: Path) -> Path | None:
     return shm / "unicron" / config.node_id if shm.is_dir() else work_dir / "snapshots"
 
 
-def setup(config: AgentConfig, server: rpc.Server, log: logging.Logger) -> Callable[[], None]:
+def coordinator_security(config: AgentConfig) -> ClientSecurity:
+    return config.client(read_token_file("join_token_file", config.join_token_file) if config.join_token_file else "")
+
+
+def trainer_env(config: AgentConfig) -> dict[str, str]:
+    """How this agent's trainers reach it: with its own certificate (they are its children)."""
+    if config.plaintext:
+        return {"UNICRON_TRAINER_PLAINTEXT": "1"}
+    return {
+        "UNICRON_TRAINER_PLAINTEXT": "0",
+        "UNICRON_TRAINER_TLS_CA": str(Path(config.tls_ca).resolve()),
+        "UNICRON_TRAINER_TLS_CERT": str(Path(config.tls_cert).resolve()),
+        "UNICRON_TRAINER_TLS_KEY": str(Path(config.tls_key).resolve()),
+    }
+
+
+def security(config: AgentConfig, tokens: WorkerTokens) -> ServerSecurity:
+    """Trainers are admitted by the token this agent issued them, TLS or not; a certificate
+    alone admits no one (a trainer shows its agent's own)."""
+    return server_security(config, tokens.lookup, certificates=False)
+
+
+def setup(
+    config: AgentConfig, server: rpc.Server, log: logging.Logger, tokens: WorkerTokens | None = None
+) -> Callable[[], None]:
     work_dir = Path(config.work_dir) / config.node_id
     work_dir.mkdir(parents=True, exist_ok=True)
     agent = Agent(
@@ -90,12 +122,15 @@ def setup(config: AgentConfig, server: rpc.Server, log: logging.Logger) -> Calla
             monitoring=config.monitor,
             health_period_s=config.health_period_s,
             warm_spares=config.warm_spares,
+            trainer_env=trainer_env(config),
             monitor=MonitorSettings(
                 k=config.hang_k, floor_s=config.hang_floor_s, warmup_iterations=config.hang_warmup_iterations
             ),
         ),
         config.coordinator,
         health_checks=default_checks(str(work_dir)),
+        security=coordinator_security(config),
+        worker_tokens=tokens,
     )
     if config.fault_injection:
         log.warning("fault injection is ENABLED on this agent: faults can be injected into its trainers")
@@ -107,5 +142,17 @@ def setup(config: AgentConfig, server: rpc.Server, log: logging.Logger) -> Calla
     return lambda: agent.start(server.address)
 
 
+def main(argv: list[str]) -> int:
+    tokens = WorkerTokens()
+    return run_server(
+        "agent",
+        AgentConfig,
+        argv,
+        functools.partial(setup, tokens=tokens),
+        dependencies=lambda config: [grpc_dependency("coordinator", config.coordinator, coordinator_security(config))],
+        security=functools.partial(security, tokens=tokens),
+    )
+
+
 if __name__ == "__main__":
-    sys.exit(run_server("agent", AgentConfig, sys.argv[1:], setup))
+    sys.exit(main(sys.argv[1:]))

@@ -14,7 +14,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +32,7 @@ from unicron import failures, rpc
 from unicron import incident_trace as trace
 from unicron.monitor import Finding, JobMonitor, MonitorSettings, ReportRejected
 from unicron.retry import Backoff, retry
+from unicron.security import ClientSecurity, WorkerTokens
 from unicron.v1 import common_pb2, node_service_pb2_grpc, trainer_service_pb2
 from unicron.v1 import node_service_pb2 as pb
 
@@ -83,6 +84,9 @@ class AgentSettings:
     # restart then skips seconds of imports. Each costs the memory of an idle trainer.
     warm_spares: int = 0
     spare_command: tuple[str, ...] = (sys.executable, "-m", "services.trainer.spare")
+    # How trainers reach this agent: UNICRON_TRAINER_TLS_* (the agent's own certificate: a
+    # trainer is the agent's child, on its node) or UNICRON_TRAINER_PLAINTEXT.
+    trainer_env: Mapping[str, str] = field(default_factory=dict)
 
 
 def trainer_base_env() -> dict[str, str]:
@@ -134,11 +138,19 @@ def _stamp(message: common_pb2.FailureReport, at: float) -> common_pb2.FailureRe
 
 class Agent:
     def __init__(
-        self, settings: AgentSettings, coordinator_address: str, health_checks: list[HealthCheck] | None = None
+        self,
+        settings: AgentSettings,
+        coordinator_address: str,
+        health_checks: list[HealthCheck] | None = None,
+        security: ClientSecurity | None = None,
+        worker_tokens: WorkerTokens | None = None,
     ) -> None:
         self.settings = settings
         self.address = ""
-        self._stub = node_service_pb2_grpc.NodeServiceStub(rpc.channel(coordinator_address))
+        self._stub = node_service_pb2_grpc.NodeServiceStub(rpc.channel(coordinator_address, security))
+        # Each trainer gets a token for its job, generation and rank, which its link to this
+        # agent must show (TrainerLink): a trainer speaks only for itself.
+        self.worker_tokens = worker_tokens if worker_tokens is not None else WorkerTokens()
         self._stop = threading.Event()
         self._registered = threading.Event()
         self._heartbeat_s = 1.0
@@ -549,6 +561,8 @@ class Agent:
                     "UNICRON_TRAINER_AGENT": self.address,
                     "UNICRON_TRAINER_SPEC": spec_json,
                     "UNICRON_TRAINER_FAULT_INJECTION": "1" if self.settings.fault_injection else "0",
+                    "UNICRON_TRAINER_TOKEN": self.worker_tokens.issue(start.job_id, assignment.generation, rank),
+                    **self.settings.trainer_env,
                 }
             )
             if self.settings.checkpoint_dir is not None:

@@ -51,9 +51,15 @@ class Supervisor:
         self._lock = threading.Lock()
         self._procs: dict[WorkerKey, subprocess.Popen[bytes]] = {}
         self._stopping: set[WorkerKey] = set()
+        # Set by close(): the agent is going away, and a trainer started now (a command that
+        # raced the shutdown) would outlive it.
+        self._closed = False
 
     def launch(self, key: WorkerKey, argv: Sequence[str], env: Mapping[str, str], spare: bool = True) -> int:
-        """Starts a trainer; through a warm spare when ``spare`` and the pool has one."""
+        """Starts a trainer; through a warm spare when ``spare`` and the pool has one.
+        Raises OSError once the supervisor is closed."""
+        if self._closed:
+            raise OSError(f"the agent is stopping: trainer {key} not started")
         log_dir = self._work_dir / key.job_id
         log_dir.mkdir(parents=True, exist_ok=True)
         stem = log_dir / f"gen{key.generation}-rank{key.rank}"
@@ -75,8 +81,14 @@ class Supervisor:
                     start_new_session=True,
                 )
         with self._lock:
-            self._procs[key] = proc
-            self._write_registry()
+            closed = self._closed
+            if not closed:
+                self._procs[key] = proc
+                self._write_registry()
+        if closed:
+            _signal_group(proc, signal.SIGKILL)
+            proc.wait()
+            raise OSError(f"the agent is stopping: trainer {key} not started")
         threading.Thread(target=self._wait, args=(key, proc, err_path), name=f"wait-{key.rank}", daemon=True).start()
         log.info(
             "trainer started",
@@ -106,7 +118,10 @@ class Supervisor:
             log.warning("cannot write the trainer registry", extra={"error": str(exc)})
 
     def close(self) -> None:
-        """Ends the spares (the trainers are stopped with stop())."""
+        """Ends the spares and refuses launches from now on (the trainers are stopped with
+        stop())."""
+        with self._lock:
+            self._closed = True
         if self._spares is not None:
             self._spares.close()
 

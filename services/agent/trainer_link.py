@@ -6,15 +6,18 @@ faults to inject. Reports are checked and rate-limited here: a misbehaving train
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import grpc
+from google.protobuf.timestamp_pb2 import Timestamp
 
 from services.agent.supervisor import WorkerKey
 from unicron.ratelimit import KeyedLimiter
+from unicron.security import caller, worker_name
 from unicron.v1 import common_pb2, node_service_pb2, trainer_service_pb2_grpc
 from unicron.v1 import trainer_service_pb2 as pb
 
@@ -23,6 +26,14 @@ log = logging.getLogger(__name__)
 # A trainer reports once per iteration; a few hundred a second is already a flood.
 REPORTS_PER_S = 200.0
 REPORT_BURST = 400.0
+
+
+def _check_time(stamp: Timestamp, field: str) -> None:
+    """A time the coordinator would refuse (out of a Timestamp's range) is refused here."""
+    try:
+        stamp.ToNanoseconds()
+    except ValueError:
+        raise Rejected("INVALID_ARGUMENT", f"{field}: not a valid time (seconds {stamp.seconds})") from None
 
 
 class Rejected(Exception):
@@ -66,6 +77,15 @@ class TrainerLink(trainer_service_pb2_grpc.TrainerAgentServiceServicer):
             return
         hello = first.hello
         key = WorkerKey(hello.job_id, hello.generation, hello.rank)
+        principal, claimed = caller(), worker_name(key.job_id, key.generation, key.rank)
+        if not principal.admin and principal.name != claimed:
+            # The token was issued to another worker: it may not speak for this one.
+            log.warning("trainer hello refused", extra={"hello": claimed, "token_for": principal.name})
+            context.abort(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"the token is for {principal.name}, not job {key.job_id} generation {key.generation} rank {key.rank}",
+            )
+            return
         if not self._handlers.is_known(key):
             context.abort(
                 grpc.StatusCode.NOT_FOUND,
@@ -134,12 +154,25 @@ class TrainerLink(trainer_service_pb2_grpc.TrainerAgentServiceServicer):
             report = message.iteration
             if (report.job_id, report.generation, report.rank) != (key.job_id, key.generation, key.rank):
                 raise Rejected("INVALID_ARGUMENT", "iteration: reports may only be about the sending trainer")
+            # The coordinator refuses a whole batch of reports for one of these, so one bad
+            # trainer would lose its peers' reports too: refuse it here (the rest of a
+            # report is checked by the agent's monitor).
+            if report.iteration == 0:
+                raise Rejected("INVALID_ARGUMENT", "iteration.iteration: iterations count from 1")
+            if not math.isfinite(report.flops) or report.flops < 0:
+                raise Rejected("INVALID_ARGUMENT", f"iteration.flops: must be a finite number >= 0, got {report.flops}")
             self._handlers.on_iteration(key, report)
         elif kind == "error":
-            if message.error.kind not in common_pb2.FailureKind.values():
-                raise Rejected("INVALID_ARGUMENT", f"error.kind: unknown failure kind {message.error.kind}")
-            self._handlers.on_error(key, message.error)
+            error = message.error
+            if error.kind == common_pb2.FAILURE_KIND_UNSPECIFIED or error.kind not in common_pb2.FailureKind.values():
+                raise Rejected("INVALID_ARGUMENT", f"error.kind: unknown failure kind {error.kind}")
+            _check_time(error.first_seen, "error.first_seen")
+            self._handlers.on_error(key, error)
         elif kind == "fault_fired":
+            fault = message.fault_fired.fault
+            if fault.kind == common_pb2.FAULT_KIND_UNSPECIFIED or fault.kind not in common_pb2.FaultKind.values():
+                raise Rejected("INVALID_ARGUMENT", f"fault_fired.fault.kind: unknown fault kind {fault.kind}")
+            _check_time(message.fault_fired.injected, "fault_fired.injected")
             self._handlers.on_fault_fired(key, message.fault_fired)
         elif kind == "finished":
             log.info("trainer finished", extra={"job_id": key.job_id, "rank": key.rank})

@@ -26,19 +26,19 @@ from services.coordinator.ladder import LadderPolicy
 from services.coordinator.lease import DEFAULT_TTL_S, EXIT_LEASE_LOST, Lease, LeaseKeeper, lease_client
 from services.coordinator.metrics import CoordinatorMetrics, setup_metrics
 from services.coordinator.planner_client import PlannerClient
-from services.coordinator.server import JobServicer, NodeServicer
+from services.coordinator.server import serve
 from services.coordinator.store import Store
 from unicron import redisutil, rpc
 from unicron.config import require
 from unicron.errors import UnicronError
-from unicron.service import run_server
-from unicron.v1 import job_service_pb2_grpc, node_service_pb2_grpc
+from unicron.security import ServerSecurity, TLSConfig, TokenBook, server_security
+from unicron.service import redis_dependency, run_server
 
 NAME = "coordinator"
 
 
 @dataclass(frozen=True)
-class CoordinatorConfig:
+class CoordinatorConfig(TLSConfig):
     bind: str = "127.0.0.1:50051"
     redis_url: str = "redis://127.0.0.1:6379/0"
     planners: tuple[str, ...] = ("127.0.0.1:50061",)
@@ -63,8 +63,20 @@ class CoordinatorConfig:
     recovery_timeout_s: float = 180.0
     # Restart only a job's dead ranks (state from a live peer) when the others wait.
     reform_restarts: bool = True
+    # Users' tokens and the agents' join token (YAML: join_token, users: [{name, token,
+    # admin}]; `make certs` writes one). Required with TLS; with --plaintext and none, no
+    # one is authenticated.
+    tokens_file: str = ""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
+        require(
+            self.plaintext or bool(self.tokens_file),
+            "tokens_file",
+            "is required: users need tokens (make certs writes one), or run with --plaintext",
+        )
+        if self.tokens_file:
+            TokenBook.load(self.tokens_file)  # a bad file is named now, not at the first call
         require(":" in self.bind, "bind", "must be host:port")
         require(len(self.planners) > 0, "planners", "needs at least one planner address")
         require(self.heartbeat_interval_s > 0, "heartbeat_interval_s", "must be positive")
@@ -90,7 +102,7 @@ def setup(
     lease, every state-changing write is fenced by it."""
     coordinator = Coordinator(
         Store(redisutil.connect(config.redis_url), lease=lease),
-        PlannerClient(config.planners),
+        PlannerClient(config.planners, security=config.client()),
         Settings(
             heartbeat_interval_s=config.heartbeat_interval_s,
             heartbeat_timeout_s=config.heartbeat_timeout_s,
@@ -104,11 +116,7 @@ def setup(
         ),
     )
     coordinator.metrics = CoordinatorMetrics(coordinator.cluster)
-    server.add(job_service_pb2_grpc.add_JobServiceServicer_to_server, JobServicer(coordinator), "unicron.v1.JobService")
-    server.add(
-        node_service_pb2_grpc.add_NodeServiceServicer_to_server, NodeServicer(coordinator), "unicron.v1.NodeService"
-    )
-    server.on_stop(coordinator.stop)
+    serve(server, coordinator)
     log.info("state in %s, planners %s", config.redis_url, ",".join(config.planners))
     return coordinator.start
 
@@ -131,7 +139,20 @@ def main(argv: Sequence[str], on_lost: Callable[[logging.Logger, str], None] = f
     as a standby, then bind, serve and reconcile until SIGTERM (0) or until the lease is
     lost (EXIT_LEASE_LOST)."""
     holder = _LeaseHolder(on_lost)
-    return run_server(NAME, CoordinatorConfig, argv, holder.setup, prepare=holder.acquire)
+    return run_server(
+        NAME,
+        CoordinatorConfig,
+        argv,
+        holder.setup,
+        prepare=holder.acquire,
+        dependencies=lambda config: [redis_dependency(config.redis_url)],
+        security=security,
+    )
+
+
+def security(config: CoordinatorConfig) -> ServerSecurity:
+    """Users and join-token agents by their tokens, nodes and services by their certificates."""
+    return server_security(config, TokenBook.load(config.tokens_file).lookup if config.tokens_file else None)
 
 
 class _LeaseHolder:

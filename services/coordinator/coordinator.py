@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from google.protobuf.timestamp_pb2 import Timestamp
+
 from services.coordinator import cost, decide, incidents, ladder, state, transitions
 from services.coordinator.ladder import LadderPolicy
 from services.coordinator.metrics import CoordinatorMetrics
 from services.coordinator.planner_client import PlannerClient
-from services.coordinator.store import JobWrite, Store, new_incident_id, new_job_id
+from services.coordinator.store import JobWrite, Store, new_incident_id, new_job_id, valid_stream_id
 from unicron import failures, jobspec, redisutil
 from unicron import incident_trace as trace
 from unicron.errors import (
@@ -39,6 +42,10 @@ SUB_HEALTHY_PERIOD_S = 5.0
 
 # An agent batches its trainers' reports every 0.2 s; this leaves room for bursts.
 REPORTS_PER_NODE_PER_S = 100.0
+
+# Node names as hosts and Kubernetes nodes have them; never ':' (the store's key separator)
+# nor '/'.
+NODE_ID_PATTERN = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,251}[A-Za-z0-9])?$")
 
 
 @dataclass(frozen=True)
@@ -88,6 +95,15 @@ def _resumes(job: common_pb2.Job, report: node_service_pb2.IterationReport) -> b
     return pending.generation == report.generation
 
 
+def _check_time(stamp: Timestamp, field: str) -> None:
+    """A time an agent sent must be one a Timestamp can hold (years 1 to 9999): one out of
+    range would fail every later read of what stores it."""
+    try:
+        stamp.ToNanoseconds()
+    except ValueError:
+        raise InvalidArgument(field, f"is not a valid time (seconds {stamp.seconds}, nanos {stamp.nanos})") from None
+
+
 def _last_line(text: str, limit: int = 300) -> str:
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
     return lines[-1][:limit] if lines else ""
@@ -122,12 +138,20 @@ class Coordinator:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._loop: threading.Thread | None = None
+        # Heartbeats are soft state, kept here and saved in one write per reconcile step
+        # (Store.save_heartbeats): the newest of memory and Redis counts.
+        self._beats: dict[str, float] = {}
+        self._unsaved_beats: dict[str, float] = {}
+        self._beats_lock = threading.Lock()
 
     # ---- job API ----------------------------------------------------------------------
+    # `owner` is the submitting user; `scope` is whose jobs a caller may see and change
+    # (unicron.security.owner_scope: None for an admin, or when no one is authenticated).
+    # Someone else's job is NOT_FOUND, as a job that does not exist: its name tells nothing.
 
-    def submit(self, spec: common_pb2.JobSpec) -> common_pb2.Job:
+    def submit(self, spec: common_pb2.JobSpec, owner: str = "") -> common_pb2.Job:
         spec = jobspec.normalized(spec)
-        nodes = self.store.list_nodes()
+        nodes = self._list_nodes()
         capacity = decide.total_slots(nodes)
         needed = jobspec.world_size(spec, spec.parallelism.min_data)
         if needed > capacity:
@@ -136,28 +160,31 @@ class Coordinator:
                 f"cluster has {capacity} across {len(nodes)} nodes"
             )
         now = self.clock()
-        job = common_pb2.Job(job_id=new_job_id(), spec=spec)
+        job = common_pb2.Job(job_id=new_job_id(), spec=spec, owner=owner)
         job.created.FromNanoseconds(int(now * 1e9))
         job.state = state.PENDING
         job.reason = "waiting for slots"
         change = job.history.add(state=state.PENDING, reason="submitted")
         change.time.CopyFrom(job.created)
         stored = self.store.create_job(job, event(job, EventType.JOB_EVENT_TYPE_STATE_CHANGED, now, "submitted"))
-        log.info("job submitted", extra={"job_id": job.job_id, "job_name": spec.name})
+        log.info("job submitted", extra={"job_id": job.job_id, "job_name": spec.name, "owner": owner})
         self._wake.set()
         return stored
 
-    def get(self, job_id: str) -> common_pb2.Job:
+    def get(self, job_id: str, scope: str | None = None) -> common_pb2.Job:
         if not job_id:
             raise InvalidArgument("job_id", "is required")
-        return self.store.get_job(job_id)
+        job = self.store.get_job(job_id)
+        if not visible(job, scope):
+            raise NotFound(f"no job with id or name {job_id!r}")
+        return job
 
-    def list_jobs(self, states: set[int] | None = None) -> list[common_pb2.Job]:
+    def list_jobs(self, states: set[int] | None = None, scope: str | None = None) -> list[common_pb2.Job]:
         jobs = self.store.list_jobs()
-        return [job for job in jobs if not states or job.state in states]
+        return [job for job in jobs if (not states or job.state in states) and visible(job, scope)]
 
-    def cancel(self, job_id: str, reason: str) -> common_pb2.Job:
-        job_id = self.get(job_id).job_id
+    def cancel(self, job_id: str, reason: str, scope: str | None = None) -> common_pb2.Job:
+        job_id = self.get(job_id, scope).job_id
         now = self.clock()
         why = f"cancelled: {reason}" if reason else "cancelled by user"
 
@@ -173,9 +200,13 @@ class Coordinator:
         self._want_replan("a job was cancelled")
         return job
 
-    def watch(self, job_id: str, after_event_id: str, is_active: Callable[[], bool]) -> Iterator[common_pb2.JobEvent]:
+    def watch(
+        self, job_id: str, after_event_id: str, is_active: Callable[[], bool], scope: str | None = None
+    ) -> Iterator[common_pb2.JobEvent]:
         """A snapshot first (unless resuming), then every event until a final state."""
-        job = self.get(job_id)
+        if after_event_id and not valid_stream_id(after_event_id):
+            raise InvalidArgument("after_event_id", f"{after_event_id!r} is not an event id (such as 1700000000000-0)")
+        job = self.get(job_id, scope)
         cursor = after_event_id
         if not cursor:
             cursor = self.store.last_event_id(job.job_id)
@@ -202,6 +233,10 @@ class Coordinator:
     ) -> tuple[common_pb2.Node, str]:
         if not node_id:
             raise InvalidArgument("node_id", "is required")
+        if not NODE_ID_PATTERN.match(node_id):
+            raise InvalidArgument(
+                "node_id", f"{node_id!r} must be letters, digits, '.', '_' and '-', at most 253 characters"
+            )
         if not address or ":" not in address:
             raise InvalidArgument("address", f"must be host:port, got {address!r}")
         if slots <= 0:
@@ -228,12 +263,33 @@ class Coordinator:
         return node, last_command
 
     def heartbeat(self, node_id: str) -> bool:
+        """Records a heartbeat; False when the node is unknown (it must register again)."""
         if not node_id:
             raise InvalidArgument("node_id", "is required")
-        return self.store.heartbeat(node_id, self.clock())
+        if not self.store.node_known(node_id):
+            return False
+        now = self.clock()
+        with self._beats_lock:
+            self._beats[node_id] = self._unsaved_beats[node_id] = now
+        return True
+
+    def _list_nodes(self) -> list[common_pb2.Node]:
+        """The stored nodes with the heartbeats this coordinator heard but has not saved yet."""
+        nodes = self.store.list_nodes()
+        with self._beats_lock:
+            for node in nodes:
+                beat = self._beats.get(node.node_id)
+                if beat is not None and beat * 1e9 > node.last_heartbeat.ToNanoseconds():
+                    node.last_heartbeat.FromNanoseconds(int(beat * 1e9))
+        return nodes
+
+    def _save_heartbeats(self) -> None:
+        with self._beats_lock:
+            beats, self._unsaved_beats = self._unsaved_beats, {}
+        self.store.save_heartbeats(beats)
 
     def nodes(self) -> list[common_pb2.Node]:
-        nodes = self.store.list_nodes()
+        nodes = self._list_nodes()
         used = decide.used_slots(self.store.list_jobs())
         for node in nodes:
             node.used_slots = used.get(node.node_id, 0)
@@ -242,6 +298,8 @@ class Coordinator:
     def commands(
         self, node_id: str, after_id: str, is_active: Callable[[], bool]
     ) -> Iterator[node_service_pb2.NodeCommand]:
+        if after_id and not valid_stream_id(after_id):
+            raise InvalidArgument("after_command_id", f"{after_id!r} is not a command id (such as 1700000000000-0)")
         if self.store.get_node(node_id) is None:
             raise NotFound(f"node {node_id!r} is not registered")
         cursor = after_id or self.store.last_command_id(node_id)
@@ -468,8 +526,11 @@ class Coordinator:
             raise InvalidArgument("report.kind", "is required")
         if report.kind not in common_pb2.FailureKind.values():
             raise InvalidArgument("report.kind", f"unknown failure kind {report.kind}")
+        if report.source not in common_pb2.DetectionSource.values():
+            raise InvalidArgument("report.source", f"unknown detection source {report.source}")
         if not node_id or (report.node_id and report.node_id != node_id):
             raise InvalidArgument("report.node_id", "must name the reporting node")
+        _check_time(report.first_seen, "report.first_seen")
         if self.store.get_node(node_id) is None:
             raise NotFound(f"node {node_id!r} is not registered")
         stamped = common_pb2.FailureReport()
@@ -478,12 +539,18 @@ class Coordinator:
         return self._record(stamped)  # NOT_FOUND for an unknown job, from _record's read
 
     def report_worker_exit(self, request: node_service_pb2.ReportWorkerExitRequest) -> None:
+        _check_time(request.exited, "exited")
         try:
             job = self.store.get_job(request.job_id)
         except NotFound:
             return
         if job.assignment.generation != request.generation or job.state not in state.ACTIVE:
             return
+        if request.rank >= job.assignment.world_size:
+            # Counted, it would stand in for a live rank: the job would end while one still runs.
+            raise InvalidArgument(
+                "rank", f"{request.rank} is not a rank of job {job.job_id} (world size {job.assignment.world_size})"
+            )
         code = -request.signal if request.signal else request.exit_code
         exits = self.store.record_exit(job.job_id, request.generation, request.rank, code)
         stopping = any(
@@ -509,17 +576,20 @@ class Coordinator:
             self._move(job.job_id, state.SUCCEEDED, f"all {len(exits)} ranks finished", only_from=state.ACTIVE)
 
     def report_fault_injected(self, request: node_service_pb2.ReportFaultInjectedRequest) -> None:
+        fault = request.fault
+        if fault.kind == common_pb2.FAULT_KIND_UNSPECIFIED or fault.kind not in common_pb2.FaultKind.values():
+            raise InvalidArgument("fault.kind", f"unknown fault kind {fault.kind}")
+        _check_time(request.injected, "injected")
         try:
             job = self.store.get_job(request.job_id)
         except NotFound:
             return
-        fault = request.fault
         at = request.injected.ToNanoseconds() / 1e9 if request.HasField("injected") else self.clock()
         name = common_pb2.FaultKind.Name(fault.kind).removeprefix("FAULT_KIND_").lower()
         message = f"fault {name} injected on rank {fault.rank} ({request.node_id})"
         self.store.append_event(job.job_id, event(job, EventType.JOB_EVENT_TYPE_FAULT_INJECTED, at, message))
 
-    def inject_fault(self, job_id: str, fault: common_pb2.Fault) -> str:
+    def inject_fault(self, job_id: str, fault: common_pb2.Fault, scope: str | None = None) -> str:
         """Sends a fault to the agent of the rank it targets; returns that node's id."""
         if fault.kind == common_pb2.FAULT_KIND_UNSPECIFIED or fault.kind not in common_pb2.FaultKind.values():
             raise InvalidArgument("fault.kind", "is required")
@@ -530,7 +600,7 @@ class Coordinator:
             raise InvalidArgument("fault.exception_kind", "is required for an exception fault")
         if fault.kind == common_pb2.FAULT_KIND_SLOW and not (0 < fault.delay_seconds <= 3600):
             raise InvalidArgument("fault.delay_seconds", "must be in (0, 3600] for a slow fault")
-        job = self.get(job_id)
+        job = self.get(job_id, scope)
         if job.state not in state.ACTIVE:
             raise FailedPrecondition(f"job {job.job_id} is {state.state_name(job.state).lower()}, not running")
         if fault.rank >= job.assignment.world_size:
@@ -570,13 +640,27 @@ class Coordinator:
                 extra={"node_id": request.node_id, "job_id": request.job_id, "error": request.error},
             )
 
-    def cluster(self) -> job_service_pb2.GetClusterResponse:
-        return cost.cluster_summary(
-            self.store.list_jobs(), self.store.list_nodes(), self.store.list_incidents(), self.clock()
-        )
+    def cluster(self, scope: str | None = None) -> job_service_pb2.GetClusterResponse:
+        """The whole cluster's totals; the per-job lines only of the jobs in scope."""
+        jobs = self.store.list_jobs()
+        summary = cost.cluster_summary(jobs, self._list_nodes(), self.store.list_incidents(), self.clock())
+        if scope is not None:
+            mine = {job.job_id for job in jobs if visible(job, scope)}
+            kept = [line for line in summary.jobs if line.job_id in mine]
+            del summary.jobs[:]
+            summary.jobs.extend(kept)
+        return summary
 
-    def list_incidents(self, job_id: str = "") -> list[common_pb2.Incident]:
-        return self.store.list_incidents(self.get(job_id).job_id if job_id else "")
+    def list_incidents(self, job_id: str = "", scope: str | None = None) -> list[common_pb2.Incident]:
+        """A job's incidents, or every incident in scope: those of the caller's jobs and the
+        nodes' own (a lost node is cluster news, as the node list is)."""
+        if job_id:
+            return self.store.list_incidents(self.get(job_id, scope).job_id)
+        incidents = self.store.list_incidents("")
+        if scope is None:
+            return incidents
+        mine = {job.job_id for job in self.store.list_jobs() if visible(job, scope)}
+        return [incident for incident in incidents if not incident.job_id or incident.job_id in mine]
 
     def _record(self, report: common_pb2.FailureReport, create: bool = True) -> common_pb2.Incident | None:
         """Adds a report to its incident; a new incident of a job is announced on the job's
@@ -690,7 +774,7 @@ class Coordinator:
         job = self.store.get_job(incident.job_id)
         if job.state not in state.ACTIVE or job.assignment.generation != incident.generation:
             return
-        ready = {n.node_id for n in self.store.list_nodes() if n.state == common_pb2.NODE_STATE_READY}
+        ready = {n.node_id for n in self._list_nodes() if n.state == common_pb2.NODE_STATE_READY}
         decision = ladder.choose(
             incident.kind,
             job.remedies,
@@ -735,7 +819,7 @@ class Coordinator:
                 assignment = common_pb2.Assignment()
                 assignment.CopyFrom(job.assignment)
                 assignment.generation += 1
-                assignment.master_port = redisutil.free_port(assignment.master_addr or "127.0.0.1")
+                assignment.master_port = self._rendezvous_port(assignment.master_addr, job.assignment.master_port)
                 attempt.generation = assignment.generation
                 same = {r: r for w in job.assignment.workers for r in w.ranks}
                 commands = transitions.reform(
@@ -887,8 +971,9 @@ class Coordinator:
 
     def reconcile_once(self) -> None:
         """Observe (nodes, jobs), decide (pure functions in decide.py), act."""
+        self._save_heartbeats()
         now = self.clock()
-        nodes = self.store.list_nodes()
+        nodes = self._list_nodes()
         by_id = {node.node_id: node for node in nodes}
         for node_id in decide.lost_nodes(now, nodes, self.settings.heartbeat_timeout_s, self._started_at):
             self._lose_node(by_id[node_id])
@@ -901,7 +986,7 @@ class Coordinator:
         if now - self._last_accrual >= SUB_HEALTHY_PERIOD_S:
             self._accrue_sub_healthy(jobs, now - self._last_accrual if self._last_accrual else 0.0)
             self._last_accrual = now
-        nodes = self.store.list_nodes()
+        nodes = self._list_nodes()
         wanted = (
             self._replan_reason
             or ("pending jobs" if any(job.state == state.PENDING for job in jobs) else "")
@@ -934,7 +1019,7 @@ class Coordinator:
         self._wake.set()
 
     def _unreachable(self) -> frozenset[str]:
-        return frozenset(n.node_id for n in self.store.list_nodes() if n.state == common_pb2.NODE_STATE_LOST)
+        return frozenset(n.node_id for n in self._list_nodes() if n.state == common_pb2.NODE_STATE_LOST)
 
     def _lose_node(self, node: common_pb2.Node) -> None:
         if not self.store.set_node_state(
@@ -1163,12 +1248,22 @@ class Coordinator:
         nodes: dict[str, common_pb2.Node] | None = None,
     ) -> common_pb2.Assignment:
         if nodes is None:
-            nodes = {node.node_id: node for node in self.store.list_nodes()}
+            nodes = {node.node_id: node for node in self._list_nodes()}
         assignment = decide.assignment_for(job.spec, slots, nodes, job.assignment.generation + 1)
-        # Ports are picked where the coordinator can bind them (one machine, host
-        # networking); a multi-host deployment sets master ports per job instead.
-        assignment.master_port = redisutil.free_port(assignment.master_addr or "127.0.0.1")
+        assignment.master_port = self._rendezvous_port(assignment.master_addr, job.assignment.master_port)
         return assignment
+
+    def _rendezvous_port(self, master_addr: str, leaving: int) -> int:
+        """A free port where the coordinator can bind the rank-0 address itself (one machine);
+        otherwise one of decide.RENDEZVOUS_PORTS that no other job uses on that host."""
+        try:
+            return redisutil.free_port(master_addr or "127.0.0.1")
+        except OSError:
+            pass  # not an address of this host
+        port = decide.unused_rendezvous_port(master_addr, self.store.list_jobs(), exclude=leaving)
+        if port is None:
+            raise ResourceExhausted(f"no free rendezvous port left on {master_addr}")
+        return port
 
     def _forget_monitors(self, job_id: str) -> None:
         with self._monitors_lock:
@@ -1208,3 +1303,8 @@ def _pending_remedy(job: common_pb2.Job) -> common_pb2.RemedyAttempt | None:
     if job.remedies and not job.remedies[-1].HasField("resumed"):
         return job.remedies[-1]
     return None
+
+
+def visible(job: common_pb2.Job, scope: str | None) -> bool:
+    """Whether a caller whose scope is `scope` (None: everything) sees the job."""
+    return scope is None or job.owner == scope

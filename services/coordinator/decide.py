@@ -254,3 +254,21 @@ def assignment_for(
 
 def total_slots(nodes: Iterable[common_pb2.Node]) -> int:
     return sum(node.slots for node in nodes)
+
+
+# Where rendezvous ports come from when the coordinator cannot test one by binding it (the
+# job's rank 0 runs on another host): torch.distributed's customary default and the 500 above.
+RENDEZVOUS_PORTS = range(29500, 30000)
+
+
+def unused_rendezvous_port(
+    master_addr: str, jobs: Iterable[common_pb2.Job], ports: range = RENDEZVOUS_PORTS, exclude: int = 0
+) -> int | None:
+    """The lowest port of `ports` that no active job rendezvouses on at `master_addr` (nor
+    `exclude`, the port the job itself is leaving); None when all are taken."""
+    taken = {
+        job.assignment.master_port
+        for job in jobs
+        if job.state in state.ACTIVE and job.assignment.master_addr == master_addr
+    } | {exclude}
+    return next((port for port in ports if port not in taken), None)

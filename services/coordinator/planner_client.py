@@ -13,6 +13,7 @@ import grpc
 from unicron import rpc
 from unicron.errors import Unavailable
 from unicron.retry import Backoff, retry
+from unicron.security import ClientSecurity
 from unicron.v1 import planner_service_pb2, planner_service_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -21,11 +22,14 @@ FAILOVER_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED
 
 
 class PlannerClient:
-    def __init__(self, addresses: Sequence[str], timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, addresses: Sequence[str], timeout_s: float = 30.0, security: ClientSecurity | None = None
+    ) -> None:
         if not addresses:
             raise ValueError("at least one planner address is required")
         self._stubs = [
-            (address, planner_service_pb2_grpc.PlannerServiceStub(rpc.channel(address))) for address in addresses
+            (address, planner_service_pb2_grpc.PlannerServiceStub(rpc.channel(address, security)))
+            for address in addresses
         ]
         self._timeout_s = timeout_s
         self._next = itertools.cycle(range(len(self._stubs)))

@@ -8,13 +8,17 @@ import grpc
 
 from services.coordinator.coordinator import Coordinator
 from unicron.errors import InvalidArgument
-from unicron.rpc import grpc_errors
+from unicron.rpc import Server, grpc_errors
+from unicron.security import caller, owner_scope
 from unicron.v1 import job_service_pb2 as jobs_pb
 from unicron.v1 import job_service_pb2_grpc, node_service_pb2_grpc
 from unicron.v1 import node_service_pb2 as nodes_pb
 
 
 class JobServicer(job_service_pb2_grpc.JobServiceServicer):
+    """Users reach these only with a valid token (unicron.security.Guard); each call is scoped
+    to the caller's own jobs unless the caller is an admin."""
+
     def __init__(self, coordinator: Coordinator) -> None:
         self._coordinator = coordinator
 
@@ -22,25 +26,25 @@ class JobServicer(job_service_pb2_grpc.JobServiceServicer):
     def SubmitJob(self, request: jobs_pb.SubmitJobRequest, context: grpc.ServicerContext) -> jobs_pb.SubmitJobResponse:
         if not request.HasField("spec"):
             raise InvalidArgument("spec", "is required")
-        return jobs_pb.SubmitJobResponse(job=self._coordinator.submit(request.spec))
+        return jobs_pb.SubmitJobResponse(job=self._coordinator.submit(request.spec, owner=caller().name))
 
     @grpc_errors
     def GetJob(self, request: jobs_pb.GetJobRequest, context: grpc.ServicerContext) -> jobs_pb.GetJobResponse:
-        return jobs_pb.GetJobResponse(job=self._coordinator.get(request.job_id))
+        return jobs_pb.GetJobResponse(job=self._coordinator.get(request.job_id, _scope()))
 
     @grpc_errors
     def ListJobs(self, request: jobs_pb.ListJobsRequest, context: grpc.ServicerContext) -> jobs_pb.ListJobsResponse:
-        return jobs_pb.ListJobsResponse(jobs=self._coordinator.list_jobs(set(request.states)))
+        return jobs_pb.ListJobsResponse(jobs=self._coordinator.list_jobs(set(request.states), _scope()))
 
     @grpc_errors
     def CancelJob(self, request: jobs_pb.CancelJobRequest, context: grpc.ServicerContext) -> jobs_pb.CancelJobResponse:
-        return jobs_pb.CancelJobResponse(job=self._coordinator.cancel(request.job_id, request.reason))
+        return jobs_pb.CancelJobResponse(job=self._coordinator.cancel(request.job_id, request.reason, _scope()))
 
     @grpc_errors
     def WatchJob(
         self, request: jobs_pb.WatchJobRequest, context: grpc.ServicerContext
     ) -> Iterator[jobs_pb.WatchJobResponse]:
-        for event in self._coordinator.watch(request.job_id, request.after_event_id, context.is_active):
+        for event in self._coordinator.watch(request.job_id, request.after_event_id, context.is_active, _scope()):
             yield jobs_pb.WatchJobResponse(event=event)
 
     @grpc_errors
@@ -51,7 +55,7 @@ class JobServicer(job_service_pb2_grpc.JobServiceServicer):
     def ListIncidents(
         self, request: jobs_pb.ListIncidentsRequest, context: grpc.ServicerContext
     ) -> jobs_pb.ListIncidentsResponse:
-        return jobs_pb.ListIncidentsResponse(incidents=self._coordinator.list_incidents(request.job_id))
+        return jobs_pb.ListIncidentsResponse(incidents=self._coordinator.list_incidents(request.job_id, _scope()))
 
     @grpc_errors
     def InjectFault(
@@ -59,13 +63,19 @@ class JobServicer(job_service_pb2_grpc.JobServiceServicer):
     ) -> jobs_pb.InjectFaultResponse:
         if not request.HasField("fault"):
             raise InvalidArgument("fault", "is required")
-        return jobs_pb.InjectFaultResponse(node_id=self._coordinator.inject_fault(request.job_id, request.fault))
+        return jobs_pb.InjectFaultResponse(
+            node_id=self._coordinator.inject_fault(request.job_id, request.fault, _scope())
+        )
 
     @grpc_errors
     def GetCluster(
         self, request: jobs_pb.GetClusterRequest, context: grpc.ServicerContext
     ) -> jobs_pb.GetClusterResponse:
-        return self._coordinator.cluster()
+        return self._coordinator.cluster(_scope())
+
+
+def _scope() -> str | None:
+    return owner_scope(caller())
 
 
 class NodeServicer(node_service_pb2_grpc.NodeServiceServicer):
@@ -136,3 +146,13 @@ class NodeServicer(node_service_pb2_grpc.NodeServiceServicer):
             raise InvalidArgument("node_id", "is required")
         for command in self._coordinator.commands(request.node_id, request.after_command_id, context.is_active):
             yield nodes_pb.StreamCommandsResponse(command=command)
+
+
+def serve(server: Server, coordinator: Coordinator) -> None:
+    """Puts the coordinator's two services on `server`; stopping the server stops the
+    coordinator first (its open streams end before its state store goes)."""
+    server.add(job_service_pb2_grpc.add_JobServiceServicer_to_server, JobServicer(coordinator), "unicron.v1.JobService")
+    server.add(
+        node_service_pb2_grpc.add_NodeServiceServicer_to_server, NodeServicer(coordinator), "unicron.v1.NodeService"
+    )
+    server.on_stop(coordinator.stop)

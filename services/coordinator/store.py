@@ -16,9 +16,10 @@ new leader anyway."""
 from __future__ import annotations
 
 import functools
+import re
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -76,6 +77,22 @@ def _heartbeat_key(node_id: str) -> str:
 
 def _commands_key(node_id: str) -> str:
     return f"{PREFIX}node:{node_id}:commands"
+
+
+def storable(identifier: str) -> bool:
+    """Whether an id can name a stored record. ':' separates the parts of keys, so an id that
+    holds one would name another record's key (`<job>:events`, `<node>:heartbeat`); no id
+    the coordinator hands out or accepts has one."""
+    return ":" not in identifier
+
+
+_STREAM_ID = re.compile(r"^([0-9]{1,20})(?:-([0-9]{1,20}))?$")
+
+
+def valid_stream_id(value: str) -> bool:
+    """Whether value is an event or command id (`<ms>-<seq>`, or `<ms>`) that Redis accepts."""
+    match = _STREAM_ID.match(value)
+    return match is not None and all(int(part) < 2**64 for part in match.groups() if part is not None)
 
 
 def redis_errors(method: F) -> F:
@@ -172,6 +189,8 @@ class Store:
 
     @redis_errors
     def get_job(self, job_id: str) -> common_pb2.Job:
+        if not storable(job_id):
+            raise NotFound(f"no job with id or name {job_id!r}")
         raw = self._redis.get(_job_key(job_id))
         if raw is None:
             by_name = self._redis.get(_name_key(job_id))
@@ -361,6 +380,8 @@ class Store:
 
     @redis_errors
     def get_node(self, node_id: str) -> common_pb2.Node | None:
+        if not storable(node_id):
+            return None
         raw = self._redis.get(_node_key(node_id))
         return common_pb2.Node.FromString(raw) if raw is not None else None
 
@@ -382,12 +403,17 @@ class Store:
         return nodes
 
     @redis_errors
-    def heartbeat(self, node_id: str, now: float) -> bool:
-        """Records a heartbeat; False when the node is unknown (it must register again)."""
-        if not self._redis.sismember(NODES_INDEX, node_id):
-            return False
-        self._redis.set(_heartbeat_key(node_id), repr(now))
-        return True
+    def node_known(self, node_id: str) -> bool:
+        return bool(self._redis.sismember(NODES_INDEX, node_id))
+
+    @redis_errors
+    def save_heartbeats(self, beats: Mapping[str, float]) -> None:
+        """The last heartbeat of many nodes in one write. Heartbeats are soft state that the
+        active coordinator keeps in memory: saving them in batches costs one append-only-file
+        sync per batch instead of one per heartbeat (a thousand nodes beat a thousand times a
+        second), and a coordinator taking over still starts from recent times."""
+        if beats:
+            self._redis.mset({_heartbeat_key(node_id): repr(at) for node_id, at in beats.items()})
 
     @redis_errors
     def set_node_state(self, node_id: str, state: int, expected: int) -> bool:

@@ -9,12 +9,13 @@ from dataclasses import dataclass
 from services.planner.server import Limits, PlannerServicer
 from unicron import rpc
 from unicron.config import require
+from unicron.security import TLSConfig
 from unicron.service import run_server
 from unicron.v1 import planner_service_pb2_grpc
 
 
 @dataclass(frozen=True)
-class PlannerConfig:
+class PlannerConfig(TLSConfig):
     bind: str = "127.0.0.1:50061"
     time_limit_s: float = 2.0
     solver_workers: int = 1
@@ -24,6 +25,7 @@ class PlannerConfig:
     log_level: str = "info"
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         require(":" in self.bind, "bind", "must be host:port")
         require(self.time_limit_s > 0, "time_limit_s", "must be positive")
         require(self.solver_workers >= 1, "solver_workers", "must be at least 1")

@@ -333,6 +333,8 @@ class PlanRequest:
         if self.max_changed_jobs is not None:
             _check_int(where, "max_changed_jobs", self.max_changed_jobs, 0)
         _check_int(where, "seed", self.seed, 0)
+        if self.seed >= 2**31:
+            _fail(where, "seed", f"must be below 2**31 (CP-SAT's seed is a 32-bit int), got {self.seed}")
         _check_int(where, "workers", self.workers, 1)
         _check_float(where, "relative_gap", self.relative_gap)
         if self.relative_gap >= 1:
@@ -454,6 +456,29 @@ def validate(request: PlanRequest) -> None:
             used[node_id] += slots
             if node.healthy and used[node_id] > node.slots:
                 _fail("request", where, f"jobs hold {used[node_id]} slots on node {node_id!r}, which has {node.slots}")
+    _check_finite_values(request)
+
+
+def _check_finite_values(request: PlanRequest) -> None:
+    """Every term of the objective must be a finite number: each input may be finite while
+    their product (weight x throughput x horizon) or a transition (state bytes / bandwidth)
+    is not, and the solver cannot scale an infinite or NaN coefficient."""
+    horizon = horizon_seconds(request)
+    for i, job in enumerate(request.jobs):
+        longest = horizon
+        for kind in ("restart", "resize", "migrate"):
+            seconds = job.transition.seconds(kind)
+            if not math.isfinite(seconds):
+                _fail("request", f"jobs[{i}].transition", f"a {kind} takes {seconds} seconds, not a finite number")
+            longest = max(longest, seconds)
+        for x in allowed_sizes(job):
+            value = weighted_throughput(job, x)
+            if not math.isfinite(value * longest):
+                _fail(
+                    "request",
+                    f"jobs[{i}]",
+                    f"weight x throughput at {x} slots ({value}) over {longest:g} s is not a finite number",
+                )
 
 
 def placement_blocker(job: Job, nodes: Mapping[str, Node]) -> str | None:

@@ -26,6 +26,11 @@ class Limits:
 
     max_jobs: int = 4096
     max_nodes: int = 16384
+    # Sizes offered over all jobs (each job's DP range, or its profile's sizes): the work to
+    # build the model grows with them, before the solver's time limit applies.
+    max_sizes: int = 65536
+    # A solve holds a server thread for up to its time limit: no request may ask for more.
+    max_time_limit_s: float = 60.0
     default_time_limit_s: float = 2.0
     workers: int = 1
 
@@ -77,6 +82,16 @@ def request_from_proto(message: pb.PlanRequest, limits: Limits) -> domain.PlanRe
     if len(message.nodes) > limits.max_nodes:
         raise ResourceExhausted(
             f"request has {len(message.nodes)} nodes; this planner accepts at most {limits.max_nodes}"
+        )
+    if message.time_limit_seconds > limits.max_time_limit_s:
+        raise InvalidArgument(
+            "request.time_limit_seconds",
+            f"{message.time_limit_seconds:g} s is over this planner's limit of {limits.max_time_limit_s:g} s",
+        )
+    sizes = sum(len(j.throughput) or max(0, j.max_data_parallel - j.min_data_parallel + 1) for j in message.jobs)
+    if sizes > limits.max_sizes:
+        raise ResourceExhausted(
+            f"request offers its jobs {sizes} sizes in all; this planner accepts at most {limits.max_sizes}"
         )
     try:
         nodes = []

@@ -62,6 +62,7 @@ from unicron.failures import classify, classify_exception, kind_name
 from unicron.faults import parse_fault
 from unicron.jobspec import DEFAULT_CHECKPOINT_INTERVAL
 from unicron.logs import setup_logging
+from unicron.security import ClientSecurity, load_tls
 from unicron.v1 import common_pb2, node_service_pb2, trainer_service_pb2
 
 if TYPE_CHECKING:  # torch and Megatron take seconds to import; config errors come first
@@ -104,6 +105,15 @@ class TrainerConfig:
     # Testing, honoured only with fault_injection: as the source of a peer transfer, flip one
     # byte of the state after its checksum was taken (exercises the checkpoint fallback).
     corrupt_peer_state: bool = False
+    # How to reach the agent, which always says (UNICRON_TRAINER_PLAINTEXT and _TLS_*): over TLS
+    # with the agent's certificate, or plaintext. Unsaid and with no CA (a trainer started by
+    # hand or by a test harness): plaintext, with a warning.
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    plaintext: bool | None = None
+    # The per-worker token the agent issued for this job, generation and rank.
+    token: str = ""
 
     def __post_init__(self) -> None:
         require(bool(self.job_id), "job_id", "is required")
@@ -114,6 +124,12 @@ class TrainerConfig:
         require(self.reattempt_wait_s >= 0, "reattempt_wait_s", "must not be negative")
         require(self.max_reattempts >= 0, "max_reattempts", "must not be negative")
         require(self.snapshot_interval >= 0, "snapshot_interval", "must not be negative (0: no snapshots)")
+        require(self.plaintext is not False or bool(self.tls_ca), "tls_ca", "is required unless plaintext")
+
+    def agent_security(self) -> ClientSecurity:
+        if self.plaintext or not self.tls_ca:
+            return ClientSecurity.plaintext(self.token)
+        return ClientSecurity(load_tls(self.tls_ca, self.tls_cert, self.tls_key), self.token)
 
 
 class Decision(Enum):
@@ -168,10 +184,13 @@ def main(argv: list[str]) -> int:
         config = load_config(TrainerConfig, env_prefix="UNICRON_TRAINER", argv=argv, description="Unicron trainer rank")
         spec = json_format.Parse(config.spec, common_pb2.JobSpec())
         faults = [parse_fault(text, config.rank) for text in config.faults]
+        agent_security = config.agent_security()
     except (UnicronError, json_format.ParseError) as exc:
         print(f"unicron-trainer: {exc}", file=sys.stderr)
         return 2
     log = setup_logging("trainer", config.log_level)
+    if config.plaintext is None and agent_security.tls is None:
+        log.warning("no TLS settings: talking to the agent at %s in PLAINTEXT", config.agent)
     # The agent sends SIGUSR1 to take stack traces of a hung trainer before acting on it.
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     stop = threading.Event()
@@ -215,6 +234,7 @@ def main(argv: list[str]) -> int:
             on_reattempt=reattempts.put,
             on_reform=reforms.put,
         ),
+        security=agent_security,
     )
     run = Run(config, spec, link, stop, injector, lost=lost, reattempts=reattempts, reforms=reforms)
     link.open()

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import grpc
 
 from unicron import rpc
+from unicron.security import ClientSecurity
 from unicron.v1 import common_pb2, trainer_service_pb2_grpc
 from unicron.v1 import trainer_service_pb2 as pb
 
@@ -41,8 +42,16 @@ class LinkCallbacks:
 
 
 class AgentLink:
-    def __init__(self, address: str, hello: pb.TrainerHello, callbacks: LinkCallbacks) -> None:
-        self._stub = trainer_service_pb2_grpc.TrainerAgentServiceStub(rpc.channel(address))
+    def __init__(
+        self,
+        address: str,
+        hello: pb.TrainerHello,
+        callbacks: LinkCallbacks,
+        security: ClientSecurity | None = None,
+    ) -> None:
+        # The token in `security` is this worker's own: the agent admits the hello only for
+        # the job, generation and rank it was issued for.
+        self._stub = trainer_service_pb2_grpc.TrainerAgentServiceStub(rpc.channel(address, security))
         self._hello = hello
         self._callbacks = callbacks
         self._outbox: queue.Queue[object] = queue.Queue()

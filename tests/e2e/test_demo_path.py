@@ -4,6 +4,7 @@ Megatron-Core trainers on gloo, driven through the CLI as a user would."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -38,6 +39,7 @@ def unicron(cluster: LocalCluster, *args: str, check: bool = True) -> subprocess
         timeout=300,
         check=check,
         cwd=ROOT,
+        env={**os.environ, **cluster.client_env()},
     )
 
 

@@ -5,6 +5,7 @@ an idle cluster."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -42,7 +43,7 @@ def inject(cluster: LocalCluster, job: common_pb2.Job, fault: str, rank: int) ->
     subprocess.run(
         [sys.executable, "-m", "unicron.cli", "--coordinator", cluster.coordinator, "inject", job.job_id, fault,
          "--rank", str(rank)],
-        check=True, cwd=ROOT, capture_output=True, timeout=30,
+        check=True, cwd=ROOT, capture_output=True, timeout=30, env={**os.environ, **cluster.client_env()},
     )  # fmt: skip
 
 

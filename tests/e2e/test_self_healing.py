@@ -8,6 +8,7 @@ JSON-lines file)."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -108,7 +109,7 @@ def inject(cluster: LocalCluster, name: str, fault: str, rank: int) -> None:
     subprocess.run(
         [sys.executable, "-m", "unicron.cli", "--coordinator", cluster.coordinator, "inject", name, fault,
          "--rank", str(rank)],
-        check=True, cwd=ROOT, capture_output=True, timeout=30,
+        check=True, cwd=ROOT, capture_output=True, timeout=30, env={**os.environ, **cluster.client_env()},
     )  # fmt: skip
 
 

@@ -139,5 +139,5 @@ def test_sigterm_hands_the_lease_over_at_once(cluster: LocalCluster) -> None:
     assert service.proc.wait(timeout=10) == 0
     assert "released the coordinator lease" in service.log_path.read_text()
     assert took < cluster.lease_ttl_s  # released, not waited out
-    assert rpc.wait_ready(cluster.coordinator, timeout_s=5)
+    assert rpc.wait_ready(cluster.coordinator, timeout_s=5, security=cluster.client_security())
     assert new == other(cluster, active)

@@ -11,12 +11,13 @@ import redis
 
 from services.coordinator.coordinator import Coordinator, Settings
 from services.coordinator.planner_client import PlannerClient
-from services.coordinator.server import JobServicer, NodeServicer
+from services.coordinator.server import serve
 from services.coordinator.store import Store
 from services.planner.server import Limits, PlannerServicer
 from unicron import rpc
 from unicron.client import UnicronClient
-from unicron.v1 import job_service_pb2_grpc, node_service_pb2_grpc, planner_service_pb2_grpc
+from unicron.security import ClientSecurity
+from unicron.v1 import node_service_pb2_grpc, planner_service_pb2_grpc
 
 
 def start_planner(bind: str = "127.0.0.1:0") -> rpc.Server:
@@ -43,7 +44,7 @@ class ControlPlane:
         return self.server.address
 
     def client(self) -> UnicronClient:
-        return UnicronClient(self.address)
+        return UnicronClient(self.address, security=ClientSecurity.plaintext())
 
     def node_stub(self) -> node_service_pb2_grpc.NodeServiceStub:
         return node_service_pb2_grpc.NodeServiceStub(grpc.insecure_channel(self.address))
@@ -78,11 +79,7 @@ def control_plane(redis_client: redis.Redis, clock: FakeClock) -> Iterator[Contr
         clock=clock,
     )
     server = rpc.Server(bind="127.0.0.1:0", max_workers=16, grace_s=0.5)
-    server.add(job_service_pb2_grpc.add_JobServiceServicer_to_server, JobServicer(coordinator), "unicron.v1.JobService")
-    server.add(
-        node_service_pb2_grpc.add_NodeServiceServicer_to_server, NodeServicer(coordinator), "unicron.v1.NodeService"
-    )
-    server.on_stop(coordinator.stop)
+    serve(server, coordinator)
     server.start()
     yield ControlPlane(coordinator, server, planners, redis_client, clock)
     server.stop()

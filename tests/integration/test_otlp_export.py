@@ -7,16 +7,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
-from concurrent import futures
 from pathlib import Path
 
-import grpc
 import pytest
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
-from opentelemetry.proto.trace.v1 import trace_pb2
+
+from unicron.otlp_receiver import Receiver, serve
 
 pytestmark = pytest.mark.integration
 
@@ -47,39 +44,9 @@ telemetry.shutdown_telemetry()
 """
 
 
-class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
-    def __init__(self) -> None:
-        self.requests: list[trace_service_pb2.ExportTraceServiceRequest] = []
-        self._lock = threading.Lock()
-
-    def Export(
-        self, request: trace_service_pb2.ExportTraceServiceRequest, context: grpc.ServicerContext
-    ) -> trace_service_pb2.ExportTraceServiceResponse:
-        with self._lock:
-            self.requests.append(request)
-        return trace_service_pb2.ExportTraceServiceResponse()
-
-    def spans(self) -> list[tuple[str, trace_pb2.Span]]:
-        """(service name, span) for every span received so far."""
-        out: list[tuple[str, trace_pb2.Span]] = []
-        with self._lock:
-            requests = list(self.requests)
-        for request in requests:
-            for resource_spans in request.resource_spans:
-                attributes = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
-                for scope_spans in resource_spans.scope_spans:
-                    for span in scope_spans.spans:
-                        out.append((attributes.get("service.name", ""), span))
-        return out
-
-
 @pytest.fixture
 def receiver() -> Iterator[tuple[Receiver, int]]:
-    servicer = Receiver()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
+    server, servicer, port = serve("127.0.0.1:0")
     yield servicer, port
     server.stop(0)
 

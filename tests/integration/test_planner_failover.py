@@ -26,7 +26,7 @@ def replicas() -> Iterator[list[tuple[str, subprocess.Popen[bytes]]]]:
     for _ in range(2):
         address = f"127.0.0.1:{free_port()}"
         proc = subprocess.Popen(
-            [sys.executable, "-m", "services.planner", "--bind", address, "--log-level", "warning"],
+            [sys.executable, "-m", "services.planner", "--bind", address, "--log-level", "warning", "--plaintext"],
             cwd=ROOT,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

@@ -205,3 +205,28 @@ def test_a_joining_rank_fetches_its_own_shard_of_the_state_from_a_peer() -> None
     whole = jobspec.model_parameters(job.spec.model) * jobspec.STATE_BYTES_PER_PARAMETER
     assert plan_job.transition.state_bytes == pytest.approx(whole / 4)
     assert plan_job.transition.bandwidth_bytes_per_second == jobspec.STATE_TRANSFER_BYTES_PER_S
+
+
+def _rendezvous(addr: str, port: int, job_state: int = common_pb2.JOB_STATE_RUNNING) -> common_pb2.Job:
+    job = common_pb2.Job(state=job_state)  # type: ignore[arg-type]
+    job.assignment.master_addr, job.assignment.master_port = addr, port
+    return job
+
+
+@pytest.mark.parametrize(
+    ("jobs", "exclude", "expected"),
+    [
+        ([], 0, 29500),
+        ([_rendezvous("10.0.0.1", 29500)], 0, 29501),  # taken on that host
+        ([_rendezvous("10.0.0.2", 29500)], 0, 29500),  # another host's port is no concern
+        ([_rendezvous("10.0.0.1", 29500, common_pb2.JOB_STATE_SUCCEEDED)], 0, 29500),  # ended: free again
+        ([_rendezvous("10.0.0.1", 29501)], 29500, 29502),  # the job's own old port is not reused
+    ],
+)
+def test_unused_rendezvous_port(jobs: list[common_pb2.Job], exclude: int, expected: int) -> None:
+    assert decide.unused_rendezvous_port("10.0.0.1", jobs, exclude=exclude) == expected
+
+
+def test_no_rendezvous_port_left() -> None:
+    jobs = [_rendezvous("10.0.0.1", 29500), _rendezvous("10.0.0.1", 29501)]
+    assert decide.unused_rendezvous_port("10.0.0.1", jobs, ports=range(29500, 29502)) is None

@@ -17,3 +17,13 @@ def test_keys_have_their_own_buckets() -> None:
     limiter = KeyedLimiter(rate_per_s=1, burst=1, clock=lambda: 0.0)
     assert limiter.allow("a") and not limiter.allow("a")
     assert limiter.allow("b")
+
+
+def test_the_least_recently_used_key_goes_past_max_keys() -> None:
+    limiter = KeyedLimiter(rate_per_s=1, burst=1, clock=lambda: 0.0, max_keys=2)
+    assert limiter.allow("a") and limiter.allow("b")
+    assert not limiter.allow("a")  # a is now the most recently used
+    assert limiter.allow("c")  # b goes
+    assert len(limiter) == 2
+    assert not limiter.allow("a")  # a kept its empty bucket
+    assert limiter.allow("b")  # b starts again

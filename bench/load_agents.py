@@ -1,0 +1,286 @@
+"""Simulated agents for `make bench-load`: one process runs hundreds of them on asyncio.
+
+Each one speaks the real agent protocol to the real coordinator: it registers, heartbeats on
+the interval the coordinator asks for, holds its command stream open, acknowledges every
+command, and for the ranks it is given reports an iteration every second, batched per node as
+a real agent does. Only the trainers are missing: they would load the CPU this bench measures.
+
+The parent (bench/load.py) drives it through stdin, one command per line:
+  vanish NODE,NODE,...   those agents stop at once (no goodbye), as when their hosts die
+  stop                   every agent stops; the statistics are written to --out
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from unicron import rpc
+from unicron.v1 import common_pb2
+from unicron.v1 import node_service_pb2 as nodes_pb
+from unicron.v1 import node_service_pb2_grpc as nodes_grpc
+
+CALL_TIMEOUT_S = 5.0
+PROGRESS_PERIOD_S = 1.0
+RETRY_S = 0.5
+
+
+@dataclass
+class Stats:
+    heartbeat_ms: list[float] = field(default_factory=list)
+    progress_ms: list[float] = field(default_factory=list)
+    errors: dict[str, int] = field(default_factory=dict)
+    calls: dict[str, int] = field(default_factory=dict)
+    unknown_heartbeats: int = 0
+    commands: dict[str, int] = field(default_factory=dict)
+    vanished: dict[str, float] = field(default_factory=dict)
+
+    def error(self, what: str, exc: grpc.RpcError) -> None:
+        key = f"{what}:{exc.code().name}"
+        self.errors[key] = self.errors.get(key, 0) + 1
+
+    def count(self, table: dict[str, int], key: str) -> None:
+        table[key] = table.get(key, 0) + 1
+
+
+@dataclass
+class LocalJob:
+    generation: int
+    ranks: list[int]
+    iteration: int = 0
+
+
+class SimAgent:
+    def __init__(
+        self,
+        node_id: str,
+        slots: int,
+        domain: str,
+        stub: nodes_grpc.NodeServiceStub,
+        stats: Stats,
+        metadata: tuple[tuple[str, str], ...],
+    ) -> None:
+        self.node_id = node_id
+        self.metadata = metadata
+        self.slots = slots
+        self.domain = domain
+        self.stub = stub
+        self.stats = stats
+        self.jobs: dict[str, LocalJob] = {}
+        self.last_command = ""
+        self.interval_s = 1.0
+        self.tasks: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        reply = await self.stub.RegisterNode(
+            nodes_pb.RegisterNodeRequest(
+                node_id=self.node_id, address="127.0.0.1:1", slots=self.slots, failure_domain=self.domain
+            ),
+            timeout=CALL_TIMEOUT_S,
+            metadata=self.metadata,
+        )
+        self.interval_s = reply.heartbeat_interval_seconds or 1.0
+        self.last_command = reply.last_command_id
+        for loop in (self._heartbeats, self._commands, self._progress):
+            self.tasks.append(asyncio.create_task(loop()))
+
+    def vanish(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+
+    async def _heartbeats(self) -> None:
+        # Agents start at random phases, as real ones do, rather than all in one instant.
+        await asyncio.sleep(random.uniform(0, self.interval_s))
+        loop = asyncio.get_running_loop()
+        next_at = loop.time()
+        while True:
+            started = time.perf_counter()
+            try:
+                reply = await self.stub.Heartbeat(
+                    nodes_pb.HeartbeatRequest(node_id=self.node_id), timeout=CALL_TIMEOUT_S, metadata=self.metadata
+                )
+                self.stats.heartbeat_ms.append((time.perf_counter() - started) * 1000)
+                if not reply.known:
+                    self.stats.unknown_heartbeats += 1
+            except grpc.RpcError as exc:
+                self.stats.error("heartbeat", exc)
+            next_at += self.interval_s
+            await asyncio.sleep(max(0.0, next_at - loop.time()))
+
+    async def _commands(self) -> None:
+        while True:
+            call = self.stub.StreamCommands(
+                nodes_pb.StreamCommandsRequest(node_id=self.node_id, after_command_id=self.last_command),
+                metadata=self.metadata,
+            )
+            try:
+                async for reply in call:
+                    await self._handle(reply.command)
+            except grpc.RpcError as exc:
+                self.stats.error("stream", exc)
+            finally:
+                call.cancel()
+            await asyncio.sleep(RETRY_S)
+
+    async def _handle(self, command: nodes_pb.NodeCommand) -> None:
+        kind = command.WhichOneof("command") or "none"
+        self.stats.count(self.stats.commands, kind)
+        job_id, generation = "", 0
+        if kind == "start_workers":
+            start = command.start_workers
+            job_id, generation = start.job_id, start.assignment.generation
+            self._place(job_id, start.assignment)
+        elif kind == "reform":
+            reform = command.reform
+            job_id, generation = reform.job_id, reform.assignment.generation
+            self._place(job_id, reform.assignment)
+        elif kind == "stop_workers":
+            stop = command.stop_workers
+            job_id, generation = stop.job_id, stop.generation
+            held = self.jobs.get(job_id)
+            if held is not None and (generation == 0 or held.generation <= generation):
+                del self.jobs[job_id]
+        elif kind == "reattempt":
+            job_id, generation = command.reattempt.job_id, command.reattempt.generation
+        elif kind == "inject_fault":
+            job_id, generation = command.inject_fault.job_id, command.inject_fault.generation
+        self.last_command = command.command_id
+        try:
+            await self.stub.AckCommand(
+                nodes_pb.AckCommandRequest(
+                    node_id=self.node_id, command_id=command.command_id, job_id=job_id, generation=generation, ok=True
+                ),
+                timeout=CALL_TIMEOUT_S,
+                metadata=self.metadata,
+            )
+        except grpc.RpcError as exc:
+            self.stats.error("ack", exc)
+
+    def _place(self, job_id: str, assignment: common_pb2.Assignment) -> None:
+        ranks = [r for w in assignment.workers if w.node_id == self.node_id for r in w.ranks]
+        if ranks:
+            held = self.jobs.get(job_id)
+            self.jobs[job_id] = LocalJob(assignment.generation, ranks, held.iteration if held else 0)
+        else:
+            self.jobs.pop(job_id, None)
+
+    async def _progress(self) -> None:
+        await asyncio.sleep(random.uniform(0, PROGRESS_PERIOD_S))
+        while True:
+            await asyncio.sleep(PROGRESS_PERIOD_S)
+            if not self.jobs:
+                continue
+            reports = []
+            for job_id, job in self.jobs.items():
+                job.iteration += 1
+                for rank in job.ranks:
+                    reports.append(
+                        nodes_pb.IterationReport(
+                            job_id=job_id,
+                            generation=job.generation,
+                            rank=rank,
+                            iteration=job.iteration,
+                            loss=2.0,
+                            seconds=PROGRESS_PERIOD_S,
+                            compute_seconds=PROGRESS_PERIOD_S * 0.6,
+                            tokens=1024,
+                        )
+                    )
+            started = time.perf_counter()
+            try:
+                await self.stub.ReportProgress(
+                    nodes_pb.ReportProgressRequest(node_id=self.node_id, reports=reports),
+                    timeout=CALL_TIMEOUT_S,
+                    metadata=self.metadata,
+                )
+                self.stats.progress_ms.append((time.perf_counter() - started) * 1000)
+            except grpc.RpcError as exc:
+                self.stats.error("progress", exc)
+
+
+async def run(args: argparse.Namespace) -> None:
+    stats = Stats()
+    # A few channels, as a few hundred agents on separate hosts would not share one connection.
+    # Mutual TLS with a client certificate of the cluster's CA, and the cluster's join token,
+    # as agents without a node certificate of their own join.
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=Path(args.ca).read_bytes(),
+        private_key=Path(args.key).read_bytes(),
+        certificate_chain=Path(args.cert).read_bytes(),
+    )
+    metadata = (("authorization", "Bearer " + Path(args.join_token_file).read_text().strip()),)
+    channels = [grpc.aio.secure_channel(rpc.target(args.coordinator), credentials) for _ in range(args.channels)]
+    agents: dict[str, SimAgent] = {}
+    for i in range(args.count):
+        node_id = f"{args.prefix}-{args.first + i:05d}"
+        stub = nodes_grpc.NodeServiceStub(channels[i % len(channels)])
+        domain = f"rack-{(args.first + i) % args.domains}"
+        agents[node_id] = SimAgent(node_id, args.slots, domain, stub, stats, metadata)
+    # Register in waves: a thousand simultaneous registrations are a storm no cluster starts with.
+    names = list(agents)
+    for start in range(0, len(names), 50):
+        await asyncio.gather(*(agents[n].start() for n in names[start : start + 50]))
+    print("registered", flush=True)
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    while True:
+        line = (await reader.readline()).decode().strip()
+        if not line or line == "stop":
+            break
+        verb, _, rest = line.partition(" ")
+        if verb == "vanish":
+            now = time.time()
+            for node_id in filter(None, rest.split(",")):
+                if node_id in agents:
+                    agents[node_id].vanish()
+                    stats.vanished[node_id] = now
+            print("vanished", flush=True)
+    for agent in agents.values():
+        agent.vanish()
+    for channel in channels:
+        await channel.close()
+    Path(args.out).write_text(json.dumps(_summary(stats)))
+
+
+def _summary(stats: Stats) -> dict[str, Any]:
+    return {
+        "heartbeat_ms": stats.heartbeat_ms,
+        "progress_ms": stats.progress_ms,
+        "errors": stats.errors,
+        "unknown_heartbeats": stats.unknown_heartbeats,
+        "commands": stats.commands,
+        "vanished": stats.vanished,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.load_agents", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--coordinator", required=True)
+    parser.add_argument("--prefix", default="sim")
+    parser.add_argument("--first", type=int, default=0)
+    parser.add_argument("--count", type=int, required=True)
+    parser.add_argument("--slots", type=int, default=4)
+    parser.add_argument("--domains", type=int, default=10)
+    parser.add_argument("--channels", type=int, default=8)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--ca", required=True, help="the cluster's CA certificate")
+    parser.add_argument("--cert", required=True, help="a client certificate the CA signed")
+    parser.add_argument("--key", required=True, help="its key")
+    parser.add_argument("--join-token-file", required=True, help="the cluster's join token")
+    args = parser.parse_args(argv)
+    asyncio.run(run(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
