@@ -419,6 +419,7 @@ class Coordinator:
             state.transition(current, state.RUNNING, now, reason)
             out = event(current, EventType.JOB_EVENT_TYPE_RESUMED, now, reason)
             out.incident_id = pending.incident_id if pending is not None else ""
+            out.progress.iteration = max(0, restored)
             return JobWrite([out])
 
         updated = self.store.update_job(job.job_id, mutate)

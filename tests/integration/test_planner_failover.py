@@ -57,6 +57,9 @@ def test_plans_keep_coming_while_a_replica_is_killed(replicas: list[tuple[str, s
                 results.append(client.plan(request).jobs[0].size)
             except BaseException as exc:  # noqa: BLE001 - collected and asserted below
                 errors.append(exc)
+            # A coordinator's pace, not a flood: a caller past the planner's rate limit
+            # (200 a second) is refused by design, which is not what this test is about.
+            time.sleep(0.01)
 
     worker = threading.Thread(target=keep_planning)
     worker.start()
