@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from services.coordinator import cost, decide, incidents, ladder, state, transitions
+from services.coordinator.command_feed import CommandFeed
 from services.coordinator.ladder import LadderPolicy
 from services.coordinator.metrics import CoordinatorMetrics
 from services.coordinator.planner_client import PlannerClient
@@ -39,6 +40,8 @@ EventType = common_pb2.JobEventType
 
 # How often incidents are charged for their jobs' sub-healthy running.
 SUB_HEALTHY_PERIOD_S = 5.0
+# How often an idle command stream checks that its agent is still connected.
+STREAM_CHECK_S = 1.0
 
 # An agent batches its trainers' reports every 0.2 s; this leaves room for bursts.
 REPORTS_PER_NODE_PER_S = 100.0
@@ -143,6 +146,7 @@ class Coordinator:
         self._beats: dict[str, float] = {}
         self._unsaved_beats: dict[str, float] = {}
         self._beats_lock = threading.Lock()
+        self._feed = CommandFeed(store)
 
     # ---- job API ----------------------------------------------------------------------
     # `owner` is the submitting user; `scope` is whose jobs a caller may see and change
@@ -266,7 +270,10 @@ class Coordinator:
         """Records a heartbeat; False when the node is unknown (it must register again)."""
         if not node_id:
             raise InvalidArgument("node_id", "is required")
-        if not self.store.node_known(node_id):
+        with self._beats_lock:
+            known = node_id in self._beats
+        # A node once registered stays in the index, so only an unseen one is looked up.
+        if not known and not self.store.node_known(node_id):
             return False
         now = self.clock()
         with self._beats_lock:
@@ -303,10 +310,15 @@ class Coordinator:
         if self.store.get_node(node_id) is None:
             raise NotFound(f"node {node_id!r} is not registered")
         cursor = after_id or self.store.last_command_id(node_id)
-        while is_active() and not self._stop.is_set():
-            for command_id, command in self.store.read_commands(node_id, cursor, block_ms=1000):
-                cursor = command_id
-                yield command
+        seen = self._feed.listen(node_id)
+        try:
+            while is_active() and not self._stop.is_set():
+                for command_id, command in self.store.read_commands(node_id, cursor):
+                    cursor = command_id
+                    yield command
+                seen = self._feed.wait(node_id, seen, STREAM_CHECK_S, lambda: self._stop.is_set())
+        finally:
+            self._feed.leave(node_id)
 
     # ---- reports from agents ----------------------------------------------------------
 
@@ -956,6 +968,7 @@ class Coordinator:
     def stop(self) -> None:
         self._stop.set()
         self._wake.set()
+        self._feed.stop()
         if self._loop:
             self._loop.join(timeout=5)
 

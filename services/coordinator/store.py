@@ -450,14 +450,31 @@ class Store:
         return self._last_id(_commands_key(node_id))
 
     def read_commands(
-        self, node_id: str, after_id: str, block_ms: int
+        self, node_id: str, after_id: str, block_ms: int | None = None
     ) -> list[tuple[str, node_service_pb2.NodeCommand]]:
+        """The node's commands after `after_id`; block_ms None: what is there now, no wait."""
         out = []
         for command_id, payload in self._read_stream(_commands_key(node_id), after_id, block_ms):
             command = node_service_pb2.NodeCommand.FromString(payload)
             command.command_id = command_id
             out.append((command_id, command))
         return out
+
+    @redis_errors
+    def wait_for_commands(self, cursors: Mapping[str, str], block_ms: int) -> dict[str, str]:
+        """Blocks until a command is appended for any of the nodes after its cursor (or
+        `block_ms` passes); returns the nodes that got one, with their newest command id.
+        One blocking read watches every node, instead of one per node."""
+        if not cursors:
+            return {}
+        streams = {_commands_key(node_id): cursor for node_id, cursor in cursors.items()}
+        reply = self._redis.xread(streams, block=block_ms)
+        newest: dict[str, str] = {}
+        for key, entries in reply or []:
+            if entries:
+                node_id = key.decode().removeprefix(f"{PREFIX}node:").removesuffix(":commands")
+                newest[node_id] = entries[-1][0].decode()
+        return newest
 
     # ---- helpers ----------------------------------------------------------------------
 
@@ -467,7 +484,7 @@ class Store:
         return last[0][0].decode() if last else "0-0"
 
     @redis_errors
-    def _read_stream(self, key: str, after_id: str, block_ms: int) -> Iterator[tuple[str, bytes]]:
+    def _read_stream(self, key: str, after_id: str, block_ms: int | None) -> Iterator[tuple[str, bytes]]:
         reply = self._redis.xread({key: after_id}, block=block_ms, count=100)
         entries: Sequence[tuple[bytes, dict[bytes, bytes]]] = reply[0][1] if reply else []
         return iter([(entry_id.decode(), fields[EVENT_FIELD]) for entry_id, fields in entries])
