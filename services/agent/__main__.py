@@ -10,14 +10,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.agent.agent import Agent, AgentSettings
+from services.agent.agent import Agent, AgentSettings, serve
 from services.agent.health import default_checks
 from unicron import rpc
 from unicron.config import require
 from unicron.monitor import MonitorSettings
 from unicron.security import ClientSecurity, ServerSecurity, TLSConfig, WorkerTokens, read_token_file, server_security
 from unicron.service import grpc_dependency, run_server
-from unicron.v1 import trainer_service_pb2_grpc
 
 # The monitor's own defaults: the flags' defaults and what the bench reports cannot drift apart.
 _MONITOR_DEFAULTS = MonitorSettings()
@@ -134,10 +133,7 @@ def setup(
     )
     if config.fault_injection:
         log.warning("fault injection is ENABLED on this agent: faults can be injected into its trainers")
-    server.add(
-        trainer_service_pb2_grpc.add_TrainerAgentServiceServicer_to_server, agent.link, "unicron.v1.TrainerAgentService"
-    )
-    server.on_stop(agent.stop)
+    serve(server, agent)
     log.info("node %s offers %d slots to %s", config.node_id, config.slots, config.coordinator)
     return lambda: agent.start(server.address)
 

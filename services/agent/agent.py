@@ -33,7 +33,7 @@ from unicron import incident_trace as trace
 from unicron.monitor import Finding, JobMonitor, MonitorSettings, ReportRejected
 from unicron.retry import Backoff, retry
 from unicron.security import ClientSecurity, WorkerTokens
-from unicron.v1 import common_pb2, node_service_pb2_grpc, trainer_service_pb2
+from unicron.v1 import common_pb2, node_service_pb2_grpc, trainer_service_pb2, trainer_service_pb2_grpc
 from unicron.v1 import node_service_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -787,3 +787,12 @@ class Agent:
 
     def _send_exit(self, request: pb.ReportWorkerExitRequest) -> None:
         self._send("trainer exit", lambda: self._stub.ReportWorkerExit(request, timeout=RPC_TIMEOUT_S), deadline_s=60.0)
+
+
+def serve(server: rpc.Server, agent: Agent) -> None:
+    """Puts the agent's trainer-facing service on `server`; stopping the server stops the
+    agent (and its trainers) first."""
+    server.add(
+        trainer_service_pb2_grpc.add_TrainerAgentServiceServicer_to_server, agent.link, "unicron.v1.TrainerAgentService"
+    )
+    server.on_stop(agent.stop)

@@ -16,6 +16,7 @@ import pytest
 import redis
 
 from services.agent.agent import Agent, AgentSettings
+from services.agent.agent import serve as serve_agent
 from services.coordinator.coordinator import Coordinator, Settings
 from services.coordinator.lease import FENCE_KEY, LEASE_KEY, Lease, LeaseKeeper, lease_client
 from services.coordinator.planner_client import PlannerClient
@@ -34,7 +35,6 @@ from unicron.v1 import (
     node_service_pb2_grpc,
     planner_service_pb2,
     trainer_service_pb2,
-    trainer_service_pb2_grpc,
 )
 
 # Keys that change with no call at all, left out of the before/after comparison.
@@ -272,12 +272,7 @@ def agent_target(redis_server: LocalRedis, tmp_path_factory: pytest.TempPathFact
     agent_log = logging.getLogger("services.agent.agent")
     agent_log.addHandler(failures)
     server = rpc.Server(bind="127.0.0.1:0", max_workers=8, grace_s=0.5)
-    server.add(
-        trainer_service_pb2_grpc.add_TrainerAgentServiceServicer_to_server,
-        agent.link,
-        "unicron.v1.TrainerAgentService",
-    )
-    server.on_stop(agent.stop)
+    serve_agent(server, agent)
     server.start()
     agent.start(server.address)
     channel = harness.open_channel(server.address)

@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services.agent.agent import Agent, AgentSettings
+from services.agent.agent import Agent, AgentSettings, serve
 from services.agent.supervisor import WorkerKey
 from tests.integration.conftest import ControlPlane
 from tests.integration.test_job_api import tiny_spec
@@ -34,12 +34,7 @@ def agent(control_plane: ControlPlane, tmp_path: Path) -> Iterator[Agent]:
     )
     instance = Agent(settings, control_plane.address)
     server = rpc.Server(bind="127.0.0.1:0", max_workers=8, grace_s=0.5)
-    server.add(
-        trainer_service_pb2_grpc.add_TrainerAgentServiceServicer_to_server,
-        instance.link,
-        "unicron.v1.TrainerAgentService",
-    )
-    server.on_stop(instance.stop)
+    serve(server, instance)
     server.start()
     instance.start(server.address)
     yield instance
