@@ -36,8 +36,10 @@ RETRY_S = 0.5
 
 @dataclass
 class Stats:
-    heartbeat_ms: list[float] = field(default_factory=list)
-    progress_ms: list[float] = field(default_factory=list)
+    # (wall-clock time the call was sent, milliseconds it took): the parent splits them into
+    # the run's phases (jobs starting, steady load, burst)
+    heartbeats: list[tuple[float, float]] = field(default_factory=list)
+    progress: list[tuple[float, float]] = field(default_factory=list)
     errors: dict[str, int] = field(default_factory=dict)
     calls: dict[str, int] = field(default_factory=dict)
     unknown_heartbeats: int = 0
@@ -103,12 +105,12 @@ class SimAgent:
         loop = asyncio.get_running_loop()
         next_at = loop.time()
         while True:
-            started = time.perf_counter()
+            sent, started = time.time(), time.perf_counter()
             try:
                 reply = await self.stub.Heartbeat(
                     nodes_pb.HeartbeatRequest(node_id=self.node_id), timeout=CALL_TIMEOUT_S, metadata=self.metadata
                 )
-                self.stats.heartbeat_ms.append((time.perf_counter() - started) * 1000)
+                self.stats.heartbeats.append((sent, (time.perf_counter() - started) * 1000))
                 if not reply.known:
                     self.stats.unknown_heartbeats += 1
             except grpc.RpcError as exc:
@@ -195,14 +197,14 @@ class SimAgent:
                             tokens=1024,
                         )
                     )
-            started = time.perf_counter()
+            sent, started = time.time(), time.perf_counter()
             try:
                 await self.stub.ReportProgress(
                     nodes_pb.ReportProgressRequest(node_id=self.node_id, reports=reports),
                     timeout=CALL_TIMEOUT_S,
                     metadata=self.metadata,
                 )
-                self.stats.progress_ms.append((time.perf_counter() - started) * 1000)
+                self.stats.progress.append((sent, (time.perf_counter() - started) * 1000))
             except grpc.RpcError as exc:
                 self.stats.error("progress", exc)
 
@@ -254,8 +256,8 @@ async def run(args: argparse.Namespace) -> None:
 
 def _summary(stats: Stats) -> dict[str, Any]:
     return {
-        "heartbeat_ms": stats.heartbeat_ms,
-        "progress_ms": stats.progress_ms,
+        "heartbeats": stats.heartbeats,
+        "progress": stats.progress,
         "errors": stats.errors,
         "unknown_heartbeats": stats.unknown_heartbeats,
         "commands": stats.commands,

@@ -3,7 +3,9 @@ graceful SIGTERM), client channels, and the edge that turns domain errors into s
 
 from __future__ import annotations
 
+import asyncio as _asyncio
 import functools
+import inspect
 import ipaddress
 import logging
 import signal
@@ -14,12 +16,14 @@ from concurrent import futures
 from typing import Any, TypeVar
 
 import grpc
+from grpc_health.v1 import _async as health_async
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from unicron import errors, telemetry
 from unicron.security import (
     DEFAULT_MAX_MESSAGE_BYTES,
+    AsyncGuard,
     ClientSecurity,
     Guard,
     Limits,
@@ -52,6 +56,9 @@ CHANNEL_OPTIONS = [
     # little late failed the attempt, and the call with it (UNAVAILABLE), on a loaded machine.
     ("grpc.min_reconnect_backoff_ms", 5000),
 ]
+# Open streams an asyncio server admits in all (Limits.max_streams overrides): each holds
+# memory and a connection's share, not a thread.
+ASYNC_MAX_STREAMS = 4096
 SERVER_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
@@ -79,15 +86,46 @@ def status_for(exc: errors.UnicronError) -> grpc.StatusCode:
 
 def grpc_errors(method: F) -> F:
     """Servicer-method decorator: domain errors become their status code with the
-    message as details; anything else is a bug, logged with its traceback, INTERNAL."""
+    message as details; anything else is a bug, logged with its traceback, INTERNAL.
+    Works on plain and generator methods, and on their asyncio forms."""
+
+    def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+        if isinstance(exc, errors.UnicronError):
+            return status_for(exc), str(exc)
+        log.exception("unhandled error in %s", method.__qualname__)
+        return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}"
 
     def abort(context: grpc.ServicerContext, exc: BaseException) -> None:
-        if isinstance(exc, errors.UnicronError):
-            context.abort(status_for(exc), str(exc))
-        log.exception("unhandled error in %s", method.__qualname__)
-        context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
+        context.abort(*status_of(exc))
 
-    if _is_generator(method):
+    if inspect.isasyncgenfunction(method):
+
+        @functools.wraps(method)
+        async def async_stream_wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                async for reply in method(self, request, context):
+                    yield reply
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the edge of the server
+                await context.abort(*status_of(exc))
+
+        return async_stream_wrapper  # type: ignore[return-value]
+
+    if inspect.iscoroutinefunction(method):
+
+        @functools.wraps(method)
+        async def async_wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                return await method(self, request, context)
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the edge of the server
+                await context.abort(*status_of(exc))
+
+        return async_wrapper  # type: ignore[return-value]
+
+    if inspect.isgeneratorfunction(method):
 
         @functools.wraps(method)
         def stream_wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
@@ -108,38 +146,54 @@ def grpc_errors(method: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def _is_generator(fn: Callable[..., Any]) -> bool:
-    import inspect
-
-    return inspect.isgeneratorfunction(fn)
-
-
 class Server:
     """A gRPC server with health checking and reflection, stopped gracefully on SIGTERM.
 
     Every call passes the security Guard first (unicron.security): TLS, who calls, the
     policy, limits. Without `security` it serves plaintext and trusts every caller, which is
-    for in-process tests; services pass what their configuration says (run_server)."""
+    for in-process tests; services pass what their configuration says (run_server).
+
+    Threaded (the default): each call holds one of `max_workers` threads while it runs. With
+    `asyncio=True` the servicers are coroutines on one event loop, in a thread of its own,
+    and hand blocking work to `max_workers` threads (asyncio.to_thread): a thousand agents'
+    open streams and heartbeats then cost no thread each, where a thread per stream and the
+    switching between them had held the coordinator's process at one core."""
 
     def __init__(
-        self, *, bind: str, max_workers: int, grace_s: float = 5.0, security: ServerSecurity | None = None
+        self,
+        *,
+        bind: str,
+        max_workers: int,
+        grace_s: float = 5.0,
+        security: ServerSecurity | None = None,
+        asyncio: bool = False,
     ) -> None:
         self._grace_s = grace_s
         self.security = security if security is not None else IN_PROCESS
+        self.is_async = asyncio
         limit = self.security.limits.max_message_bytes
-        self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
-            interceptors=[Guard(self.security, max_workers), *telemetry.server_interceptors()],
-            options=[
-                ("grpc.max_send_message_length", limit),
-                ("grpc.max_receive_message_length", limit),
-                *SERVER_OPTIONS,
-            ],
-            # Bounds the work queue as well as the pool: excess calls get RESOURCE_EXHAUSTED.
-            maximum_concurrent_rpcs=max_workers * 4,
-        )
-        self._health = health.HealthServicer(experimental_non_blocking=True)
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        options = [
+            ("grpc.max_send_message_length", limit),
+            ("grpc.max_receive_message_length", limit),
+            *SERVER_OPTIONS,
+        ]
+        self._loop: _asyncio.AbstractEventLoop | None = None
+        self._server: Any
+        if asyncio:
+            self._loop = _asyncio.new_event_loop()
+            self._loop.set_default_executor(futures.ThreadPoolExecutor(max_workers, thread_name_prefix="rpc"))
+            threading.Thread(target=self._loop.run_forever, name="rpc-loop", daemon=True).start()
+            self._server, self._health = self._on_loop(self._make_async(options, max_workers))
+        else:
+            self._server = grpc.server(
+                futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="rpc"),
+                interceptors=[Guard(self.security, max_workers), *telemetry.server_interceptors()],
+                options=options,
+                # Bounds the work queue as well as the pool: excess calls get RESOURCE_EXHAUSTED.
+                maximum_concurrent_rpcs=max_workers * 4,
+            )
+            self._health = health.HealthServicer(experimental_non_blocking=True)
+            health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         self._service_names: list[str] = [health.SERVICE_NAME, reflection.SERVICE_NAME]
         credentials = self.security.credentials()
         if credentials is None:
@@ -151,13 +205,26 @@ class Server:
         host = bind.rsplit(":", 1)[0]
         self.address = f"{host}:{self.port}"
         self._stopped = threading.Event()
+        self._terminated = threading.Event()
         self._on_stop: list[Callable[[], None]] = []
 
-    @property
-    def grpc_server(self) -> grpc.Server:
-        return self._server
+    async def _make_async(self, options: list[tuple[str, Any]], max_workers: int) -> tuple[Any, Any]:
+        # grpc.aio binds a server to the loop it is made on: this one's.
+        max_streams = self.security.limits.max_streams or ASYNC_MAX_STREAMS
+        server = grpc.aio.server(
+            interceptors=[AsyncGuard(self.security, max_streams), *telemetry.aio_server_interceptors()],
+            options=options,
+            maximum_concurrent_rpcs=max_streams + max_workers * 4,
+        )
+        servicer = health_async.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+        return server, servicer
 
-    def add(self, register: Callable[[Any, grpc.Server], None], servicer: Any, full_name: str) -> None:
+    def _on_loop(self, coroutine: Any) -> Any:
+        assert self._loop is not None
+        return _asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    def add(self, register: Callable[[Any, Any], None], servicer: Any, full_name: str) -> None:
         register(servicer, self._server)
         self._service_names.append(full_name)
 
@@ -166,22 +233,40 @@ class Server:
 
     def start(self) -> None:
         reflection.enable_server_reflection(self._service_names, self._server)
-        self._server.start()
-        for name in [*self._service_names, ""]:
-            self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        names = [*self._service_names, ""]
+        if self._loop is None:
+            self._server.start()
+            for name in names:
+                self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+            return
+
+        async def start() -> None:
+            await self._server.start()
+            for name in names:
+                await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+        self._on_loop(start())
 
     def stop(self) -> None:
         if self._stopped.is_set():
             return
         self._stopped.set()
         # Health goes NOT_SERVING first so load balancers stop sending before we drain.
-        self._health.enter_graceful_shutdown()
+        if self._loop is None:
+            self._health.enter_graceful_shutdown()
+        else:
+            self._on_loop(self._health.enter_graceful_shutdown())
         for callback in self._on_stop:
             try:
                 callback()
             except Exception:
                 log.exception("stop callback failed")
-        self._server.stop(self._grace_s).wait()
+        if self._loop is None:
+            self._server.stop(self._grace_s).wait()
+        else:
+            self._on_loop(self._server.stop(self._grace_s))
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        self._terminated.set()
 
     def install_signal_handlers(self) -> None:
         def handle(signum: int, _frame: Any) -> None:
@@ -192,7 +277,9 @@ class Server:
         signal.signal(signal.SIGINT, handle)
 
     def wait(self) -> None:
-        self._server.wait_for_termination()
+        if self._loop is None:
+            self._server.wait_for_termination()
+        self._terminated.wait()
 
 
 def target(address: str) -> str:

@@ -16,10 +16,11 @@ peer from starving the others.
   coordinator's (owner_scope). Refusals are UNAUTHENTICATED or PERMISSION_DENIED, logged,
   and happen before the servicer runs, so they change nothing.
 * Limits: a deadline on every unary call, a token bucket per caller, a cap on the streams one
-  caller holds open and on all streams together (each holds a server thread), and the
-  maximum message size (larger messages get RESOURCE_EXHAUSTED from gRPC itself).
+  caller holds open and on all streams together (on a threaded server each holds a thread),
+  and the maximum message size (larger messages get RESOURCE_EXHAUSTED from gRPC itself).
 
-The Guard interceptor does all of it; servicers read the caller with `caller()`."""
+The Guard interceptor (AsyncGuard on an asyncio server) does all of it; servicers read the
+caller with `caller()`."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ import logging
 import os
 import secrets
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -320,8 +321,9 @@ class Limits:
     # Per caller (a user, a node, a worker; a connection when the caller is anonymous).
     rate_per_s: float = 200.0
     burst: float = 400.0
-    # Streams held open: by one caller, and by all together (each holds a server thread;
-    # None: all but a quarter of the server's threads, 2 to 32, so unary calls find one).
+    # Streams held open: by one caller, and by all together. None: on a threaded server, where
+    # each holds a thread, all but a quarter of its threads (2 to 32), so unary calls find
+    # one; on an asyncio server the server's own bound (unicron.rpc.ASYNC_MAX_STREAMS).
     streams_per_caller: int = 8
     max_streams: int | None = None
     require_deadline: bool = True
@@ -529,108 +531,62 @@ class ServerSecurity:
         return said
 
 
-class Guard(grpc.ServerInterceptor):
-    """Admits each call before its servicer runs: a deadline, a caller, the policy, the
-    caller's rate and stream count. A refusal aborts the call with its status code and is
-    logged; the servicer never sees it."""
+class _Admission:
+    """What both guards decide before a servicer runs: a deadline, a caller, the policy, the
+    caller's rate and stream count. A refusal is logged and raised as a `Refusal`, which each
+    guard turns into an aborted call in its own way (a sync context aborts by raising, an
+    asyncio one by being awaited)."""
 
-    def __init__(self, security: ServerSecurity, max_workers: int) -> None:
-        self._security = security
-        self._limits = security.limits
-        self._rates = KeyedLimiter(self._limits.rate_per_s, self._limits.burst)
-        total = self._limits.max_streams
-        if total is None:  # a quarter of the threads (2 to 32) stay free for unary calls
-            total = max(1, max_workers - max(2, min(32, max_workers // 4)))
-        self._streams = StreamGate(self._limits.streams_per_caller, total)
+    def __init__(self, security: ServerSecurity, max_streams: int) -> None:
+        self.security = security
+        self.limits = security.limits
+        self._rates = KeyedLimiter(self.limits.rate_per_s, self.limits.burst)
+        self.streams = StreamGate(self.limits.streams_per_caller, max_streams)
         self._log_limiter = KeyedLimiter(REFUSAL_LOGS_PER_S, 5)
 
-    def intercept_service(
-        self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None], details: Any
-    ) -> grpc.RpcMethodHandler | None:
-        handler = continuation(details)
-        if handler is None:
-            return None
-        method: str = details.method
-        rule = rule_for(self._security.policy, method)
-        if rule is not None and rule.public:
-            return handler
-        streaming_response = handler.response_streaming
-        if handler.unary_unary is not None:
-            behavior = handler.unary_unary
+    def rule(self, method: str) -> Rule | None:
+        return rule_for(self.security.policy, method)
 
-            def unary_unary(request: Any, context: grpc.ServicerContext) -> Any:
-                self._admit(method, rule, request, context, unary=True)
-                return behavior(request, context)
-
-            return grpc.unary_unary_rpc_method_handler(
-                unary_unary, handler.request_deserializer, handler.response_serializer
-            )
-        if handler.stream_unary is not None:
-            client_stream = handler.stream_unary
-
-            def stream_unary(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
-                self._admit(method, rule, None, context, unary=True)
-                return client_stream(requests, context)
-
-            return grpc.stream_unary_rpc_method_handler(
-                stream_unary, handler.request_deserializer, handler.response_serializer
-            )
-        assert streaming_response
-        server_stream = handler.unary_stream or handler.stream_stream
-        assert server_stream is not None
-
-        def streaming(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-            principal = self._admit(method, rule, None if handler.request_streaming else request, context, unary=False)
-            key = self._key(principal, context, rule, None if handler.request_streaming else request)
-            if not self._streams.acquire(key):
-                self._refuse(
-                    context,
-                    method,
-                    principal,
-                    ResourceExhausted(f"too many open streams ({self._limits.streams_per_caller} per caller)"),
-                )
-            try:
-                yield from server_stream(request, context)
-            finally:
-                self._streams.release(key)
-
-        if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(
-                streaming, handler.request_deserializer, handler.response_serializer
-            )
-        return grpc.stream_stream_rpc_method_handler(
-            streaming, handler.request_deserializer, handler.response_serializer
-        )
-
-    @staticmethod
-    def _key(principal: Principal, context: grpc.ServicerContext, rule: Rule | None, request: Any) -> str:
-        return caller_key(principal, context.peer(), rule, request)
-
-    def _admit(
-        self, method: str, rule: Rule | None, request: Any, context: grpc.ServicerContext, *, unary: bool
-    ) -> Principal:
+    def admit(self, method: str, rule: Rule | None, request: Any, context: Any, *, unary: bool) -> Principal:
         principal = TRUSTED
         try:
-            if unary and self._limits.require_deadline:
+            if unary and self.limits.require_deadline:
                 problem = deadline_problem(context.time_remaining())
                 if problem is not None:
                     raise InvalidArgument("deadline", problem.removeprefix("deadline: "))
-            authenticator = self._security.authenticator
+            authenticator = self.security.authenticator
             if authenticator is not None:
                 principal = authenticator(bearer_token(context.invocation_metadata()), _common_name(context))
             authorize(principal, rule, method, request)
             # Per-caller budgets keep one agent or client from starving the others; Unicron's
             # own services (the coordinator calling its planners) are not such callers.
-            if principal.kind != Kind.SERVICE and not self._rates.allow(self._key(principal, context, rule, request)):
-                raise ResourceExhausted(f"rate limit: more than {self._limits.rate_per_s:g} calls per second")
+            if principal.kind != Kind.SERVICE and not self._rates.allow(self.key(principal, context, rule, request)):
+                raise ResourceExhausted(f"rate limit: more than {self.limits.rate_per_s:g} calls per second")
         except (InvalidArgument, Unauthenticated, PermissionDenied, ResourceExhausted) as exc:
-            self._refuse(context, method, principal, exc)
-        # Each call runs in its own contextvars context (grpc's server does so), so the
-        # caller set here is seen by this call's servicer, its stream, and nothing else.
+            raise self.refuse(context, method, principal, exc) from None
+        # Each call runs in its own contextvars context (grpc's servers do so: a thread's
+        # call, an asyncio task), so the caller set here is seen by this call's servicer,
+        # its stream, and nothing else.
         _caller.set(principal)
         return principal
 
-    def _refuse(self, context: grpc.ServicerContext, method: str, principal: Principal, exc: UnicronError) -> None:
+    def open_stream(self, method: str, rule: Rule | None, principal: Principal, request: Any, context: Any) -> str:
+        """Counts the stream against its caller; returns the key to release it with."""
+        key = self.key(principal, context, rule, request)
+        if not self.streams.acquire(key):
+            raise self.refuse(
+                context,
+                method,
+                principal,
+                ResourceExhausted(f"too many open streams ({self.limits.streams_per_caller} per caller)"),
+            )
+        return key
+
+    @staticmethod
+    def key(principal: Principal, context: Any, rule: Rule | None, request: Any) -> str:
+        return caller_key(principal, context.peer(), rule, request)
+
+    def refuse(self, context: Any, method: str, principal: Principal, exc: UnicronError) -> Refusal:
         code: grpc.StatusCode = _REFUSAL_CODES.get(type(exc), grpc.StatusCode.INVALID_ARGUMENT)
         if self._log_limiter.allow(context.peer()):
             log.warning(
@@ -643,7 +599,165 @@ class Guard(grpc.ServerInterceptor):
                     "caller": principal.key if principal is not TRUSTED else "",
                 },
             )
-        context.abort(code, str(exc))
+        return Refusal(code, str(exc))
+
+
+class Refusal(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
+class Guard(grpc.ServerInterceptor):
+    """Admits each call of a threaded server before its servicer runs (see _Admission); the
+    servicer never sees a refused call."""
+
+    def __init__(self, security: ServerSecurity, max_workers: int) -> None:
+        total = security.limits.max_streams
+        if total is None:  # a quarter of the threads (2 to 32) stay free for unary calls
+            total = max(1, max_workers - max(2, min(32, max_workers // 4)))
+        self._admission = _Admission(security, total)
+
+    def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None], details: Any
+    ) -> grpc.RpcMethodHandler | None:
+        handler = continuation(details)
+        if handler is None:
+            return None
+        admission = self._admission
+        method: str = details.method
+        rule = admission.rule(method)
+        if rule is not None and rule.public:
+            return handler
+
+        def admit(request: Any, context: grpc.ServicerContext, unary: bool) -> Principal:
+            try:
+                return admission.admit(method, rule, request, context, unary=unary)
+            except Refusal as refusal:
+                context.abort(refusal.code, refusal.details)
+                raise  # abort raises; this line only tells the type checker so
+
+        if handler.unary_unary is not None:
+            behavior = handler.unary_unary
+
+            def unary_unary(request: Any, context: grpc.ServicerContext) -> Any:
+                admit(request, context, True)
+                return behavior(request, context)
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary_unary, handler.request_deserializer, handler.response_serializer
+            )
+        if handler.stream_unary is not None:
+            client_stream = handler.stream_unary
+
+            def stream_unary(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+                admit(None, context, True)
+                return client_stream(requests, context)
+
+            return grpc.stream_unary_rpc_method_handler(
+                stream_unary, handler.request_deserializer, handler.response_serializer
+            )
+        server_stream = handler.unary_stream or handler.stream_stream
+        assert server_stream is not None
+
+        def streaming(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+            named = None if handler.request_streaming else request
+            principal = admit(named, context, False)
+            try:
+                key = admission.open_stream(method, rule, principal, named, context)
+            except Refusal as refusal:
+                context.abort(refusal.code, refusal.details)
+            try:
+                yield from server_stream(request, context)
+            finally:
+                admission.streams.release(key)
+
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(
+                streaming, handler.request_deserializer, handler.response_serializer
+            )
+        return grpc.stream_stream_rpc_method_handler(
+            streaming, handler.request_deserializer, handler.response_serializer
+        )
+
+
+class AsyncGuard(grpc.aio.ServerInterceptor):
+    """The Guard of an asyncio server, whose servicers are coroutines. Streams there hold
+    no thread, so their cap is a bound on memory and file handles, not on threads."""
+
+    def __init__(self, security: ServerSecurity, max_streams: int) -> None:
+        self._admission = _Admission(security, security.limits.max_streams or max_streams)
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        admission = self._admission
+        method: str = details.method
+        rule = admission.rule(method)
+        if rule is not None and rule.public:
+            return handler
+        deserialize = _tolerant(handler.request_deserializer)
+        if handler.unary_unary is not None:
+            behavior = handler.unary_unary
+
+            async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                try:
+                    _decoded(request)
+                    admission.admit(method, rule, request, context, unary=True)
+                except Refusal as refusal:
+                    await context.abort(refusal.code, refusal.details)
+                return await behavior(request, context)
+
+            return grpc.unary_unary_rpc_method_handler(unary_unary, deserialize, handler.response_serializer)
+        if handler.unary_stream is None:
+            raise NotImplementedError(f"{method}: an asyncio server here serves unary calls and server streams only")
+        server_stream = handler.unary_stream
+
+        async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            try:
+                _decoded(request)
+                principal = admission.admit(method, rule, request, context, unary=False)
+                key = admission.open_stream(method, rule, principal, request, context)
+            except Refusal as refusal:
+                await context.abort(refusal.code, refusal.details)
+            try:
+                async for reply in server_stream(request, context):
+                    yield reply
+            finally:
+                admission.streams.release(key)
+
+        return grpc.unary_stream_rpc_method_handler(unary_stream, deserialize, handler.response_serializer)
+
+
+@dataclass(frozen=True)
+class _Undecodable:
+    error: str
+
+
+def _tolerant(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    """A request that does not parse reaches the guard, which answers INVALID_ARGUMENT
+    (grpc.aio itself would answer UNKNOWN and log a traceback per bad message)."""
+    if deserialize is None:
+        return None
+
+    def parse(data: bytes) -> Any:
+        try:
+            return deserialize(data)
+        except Exception as exc:  # noqa: BLE001 - any parse failure is the caller's bad bytes
+            return _Undecodable(f"{type(exc).__name__}: {exc}")
+
+    return parse
+
+
+def _decoded(request: Any) -> None:
+    if isinstance(request, _Undecodable):
+        raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"request: not a valid message ({request.error})")
 
 
 _REFUSAL_CODES: dict[type[UnicronError], grpc.StatusCode] = {
@@ -653,7 +767,7 @@ _REFUSAL_CODES: dict[type[UnicronError], grpc.StatusCode] = {
 }
 
 
-def _common_name(context: grpc.ServicerContext) -> str | None:
+def _common_name(context: Any) -> str | None:
     names = context.auth_context().get("x509_common_name")
     return names[0].decode(errors="replace") if names else None
 

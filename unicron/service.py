@@ -3,6 +3,7 @@ defaults), structured logs, telemetry, a gRPC server, graceful SIGTERM, clean ex
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -98,6 +99,25 @@ def wait_for(dependencies: Sequence[Dependency], timeout_s: float, stopping: thr
     return None
 
 
+# A full collection is considered after this many collections of the middle generation
+# (Python's default: 10).
+GC_FULL_EVERY = 100
+
+
+def tune_garbage_collector() -> None:
+    """Keeps the garbage collector's pauses rare. A full collection walks every object the
+    process holds; under a thousand agents the coordinator holds a hundred thousand for their
+    open streams alone, and with Python's defaults it paused 65-100 ms every 3-15 s, every
+    heartbeat waiting behind it. What is alive once the server serves (modules, servicers,
+    configuration) is frozen out of every collection, and full collections come ten times
+    less often. The young generations are still collected as often as before: the garbage
+    of each call dies there."""
+    gc.collect()
+    gc.freeze()
+    gen0, gen1, _ = gc.get_threshold()
+    gc.set_threshold(gen0, gen1, GC_FULL_EVERY)
+
+
 def run_server(
     name: str,
     config_class: type[C],
@@ -106,6 +126,7 @@ def run_server(
     prepare: Callable[[C, logging.Logger, threading.Event], bool] | None = None,
     dependencies: Callable[[C], Sequence[Dependency]] | None = None,
     security: Callable[[C], ServerSecurity] | None = None,
+    asyncio: bool = False,
 ) -> int:
     """Loads the config, then `setup` adds servicers to the server (and returns what to
     start once it serves, if anything); serves until SIGTERM or SIGINT.
@@ -120,7 +141,8 @@ def run_server(
 
     `security` makes the server's ServerSecurity from the config (by default, for a config
     with TLSConfig's settings, its TLS and certificate authentication); what runs less than
-    secure is said in WARNING lines before serving."""
+    secure is said in WARNING lines before serving. `asyncio` serves coroutine servicers
+    (unicron.rpc.Server)."""
     try:
         config = load_config(
             config_class, env_prefix=f"UNICRON_{name.upper()}", argv=argv, description=f"Unicron {name}"
@@ -165,7 +187,7 @@ def run_server(
             secured = server_security(config) if isinstance(config, TLSConfig) else None
         for warning in secured.warnings(name) if secured is not None else []:
             log.warning(warning)
-        server = rpc.Server(bind=config.bind, max_workers=config.max_workers, security=secured)
+        server = rpc.Server(bind=config.bind, max_workers=config.max_workers, security=secured, asyncio=asyncio)
         after_start = setup(config, server, log)
     except UnicronError as exc:
         log.error(str(exc))
@@ -174,6 +196,7 @@ def run_server(
     server.start()
     if after_start is not None:
         after_start()
+    tune_garbage_collector()
     log.info("%s serving", name, extra={"address": server.address})
     if stopping.is_set():  # a signal arrived between prepare and serving
         server.stop()

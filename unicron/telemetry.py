@@ -25,7 +25,7 @@ from typing import Any
 
 import grpc
 from opentelemetry import trace
-from opentelemetry.instrumentation.grpc import client_interceptor, grpcext, server_interceptor
+from opentelemetry.instrumentation.grpc import aio_server_interceptor, client_interceptor, grpcext, server_interceptor
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import (
@@ -195,6 +195,15 @@ def server_interceptors() -> list[grpc.ServerInterceptor]:
     if _provider is None:
         return []
     return [server_interceptor(tracer_provider=_provider, filter_=None if _trace_all_rpcs() else _server_call_in_trace)]
+
+
+def aio_server_interceptors() -> list[grpc.aio.ServerInterceptor]:
+    """The same spans for an asyncio server (unicron.rpc.Server(asyncio=True))."""
+    if _provider is None:
+        return []
+    return [
+        aio_server_interceptor(tracer_provider=_provider, filter_=None if _trace_all_rpcs() else _server_call_in_trace)
+    ]
 
 
 def traced_channel(channel: grpc.Channel) -> grpc.Channel:

@@ -147,6 +147,7 @@ def main(argv: Sequence[str], on_lost: Callable[[logging.Logger, str], None] = f
         prepare=holder.acquire,
         dependencies=lambda config: [redis_dependency(config.redis_url)],
         security=security,
+        asyncio=True,
     )
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from services.coordinator import cost, decide, incidents, ladder, state, transitions
-from services.coordinator.command_feed import CommandFeed
+from services.coordinator.command_feed import CommandFeed, CommandStream
 from services.coordinator.ladder import LadderPolicy
 from services.coordinator.metrics import CoordinatorMetrics
 from services.coordinator.planner_client import PlannerClient
@@ -40,8 +40,6 @@ EventType = common_pb2.JobEventType
 
 # How often incidents are charged for their jobs' sub-healthy running.
 SUB_HEALTHY_PERIOD_S = 5.0
-# How often an idle command stream checks that its agent is still connected.
-STREAM_CHECK_S = 1.0
 
 # An agent batches its trainers' reports every 0.2 s; this leaves room for bursts.
 REPORTS_PER_NODE_PER_S = 100.0
@@ -261,6 +259,8 @@ class Coordinator:
             node.registered.FromNanoseconds(int(now * 1e9))
         node.last_heartbeat.FromNanoseconds(int(now * 1e9))
         last_command = self.store.put_node(node, now)
+        with self._beats_lock:  # registering is a heartbeat: an older one heard before must not count
+            self._beats[node_id] = now
         log.info("node registered", extra={"node_id": node_id, "address": address, "slots": slots})
         if previous is None or previous.state != common_pb2.NODE_STATE_READY or previous.slots != slots:
             self._want_replan(f"node {node_id} joined")
@@ -270,24 +270,37 @@ class Coordinator:
         """Records a heartbeat; False when the node is unknown (it must register again)."""
         if not node_id:
             raise InvalidArgument("node_id", "is required")
-        with self._beats_lock:
-            known = node_id in self._beats
         # A node once registered stays in the index, so only an unseen one is looked up.
-        if not known and not self.store.node_known(node_id):
+        if self.heartbeat_if_seen(node_id):
+            return True
+        if not self.store.node_known(node_id):
             return False
         now = self.clock()
         with self._beats_lock:
             self._beats[node_id] = self._unsaved_beats[node_id] = now
         return True
 
-    def _list_nodes(self) -> list[common_pb2.Node]:
-        """The stored nodes with the heartbeats this coordinator heard but has not saved yet."""
-        nodes = self.store.list_nodes()
+    def heartbeat_if_seen(self, node_id: str) -> bool:
+        """Records a heartbeat of a node this coordinator has heard before, touching no
+        store (so it may run on the server's event loop); False: call `heartbeat`."""
         with self._beats_lock:
-            for node in nodes:
-                beat = self._beats.get(node.node_id)
-                if beat is not None and beat * 1e9 > node.last_heartbeat.ToNanoseconds():
-                    node.last_heartbeat.FromNanoseconds(int(beat * 1e9))
+            if node_id not in self._beats:
+                return False
+            self._beats[node_id] = self._unsaved_beats[node_id] = self.clock()
+        return True
+
+    def _list_nodes(self) -> list[common_pb2.Node]:
+        """The stored nodes with their last heartbeats: the ones this coordinator heard
+        (newer than any it saved), else the stored ones (nodes silent since it started)."""
+        nodes = self.store.list_nodes(heartbeats=False)
+        with self._beats_lock:
+            beats = dict(self._beats)
+        unheard = [node.node_id for node in nodes if node.node_id not in beats]
+        beats.update(self.store.heartbeats(unheard))
+        for node in nodes:
+            beat = beats.get(node.node_id)
+            if beat is not None:
+                node.last_heartbeat.FromNanoseconds(int(beat * 1e9))
         return nodes
 
     def _save_heartbeats(self) -> None:
@@ -302,23 +315,16 @@ class Coordinator:
             node.used_slots = used.get(node.node_id, 0)
         return nodes
 
-    def commands(
-        self, node_id: str, after_id: str, is_active: Callable[[], bool]
-    ) -> Iterator[node_service_pb2.NodeCommand]:
+    def open_commands(self, node_id: str, after_id: str) -> CommandStream:
+        """A stream of the node's commands after `after_id` (default: from now on); the
+        caller closes it."""
+        if not node_id:
+            raise InvalidArgument("node_id", "is required")
         if after_id and not valid_stream_id(after_id):
             raise InvalidArgument("after_command_id", f"{after_id!r} is not a command id (such as 1700000000000-0)")
         if self.store.get_node(node_id) is None:
             raise NotFound(f"node {node_id!r} is not registered")
-        cursor = after_id or self.store.last_command_id(node_id)
-        seen = self._feed.listen(node_id)
-        try:
-            while is_active() and not self._stop.is_set():
-                for command_id, command in self.store.read_commands(node_id, cursor):
-                    cursor = command_id
-                    yield command
-                seen = self._feed.wait(node_id, seen, STREAM_CHECK_S, lambda: self._stop.is_set())
-        finally:
-            self._feed.leave(node_id)
+        return CommandStream(self._feed, self.store, node_id, after_id or self.store.last_command_id(node_id))
 
     # ---- reports from agents ----------------------------------------------------------
 
@@ -787,7 +793,7 @@ class Coordinator:
         job = self.store.get_job(incident.job_id)
         if job.state not in state.ACTIVE or job.assignment.generation != incident.generation:
             return
-        ready = {n.node_id for n in self._list_nodes() if n.state == common_pb2.NODE_STATE_READY}
+        ready = {n.node_id for n in self.store.list_nodes(heartbeats=False) if n.state == common_pb2.NODE_STATE_READY}
         decision = ladder.choose(
             incident.kind,
             job.remedies,
@@ -974,13 +980,16 @@ class Coordinator:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            started = time.monotonic()
             try:
                 self.reconcile_once()
             except UnicronError as exc:
                 log.warning("reconcile step failed", extra={"error": str(exc)})
             except Exception:
                 log.exception("reconcile step crashed")
-            self._wake.wait(self.settings.reconcile_interval_s)
+            # Steps start on a fixed cadence: a long step (a rack's incidents and their
+            # re-plan) is followed at once by the next, which finds the rest of the rack.
+            self._wake.wait(max(0.0, self.settings.reconcile_interval_s - (time.monotonic() - started)))
             self._wake.clear()
 
     def reconcile_once(self) -> None:
@@ -989,8 +998,27 @@ class Coordinator:
         now = self.clock()
         nodes = self._list_nodes()
         by_id = {node.node_id: node for node in nodes}
-        for node_id in decide.lost_nodes(now, nodes, self.settings.heartbeat_timeout_s, self._started_at):
-            self._lose_node(by_id[node_id])
+        lost = decide.lost_nodes(now, nodes, self.settings.heartbeat_timeout_s, self._started_at)
+        # A rack that vanishes is a hundred nodes: all are marked LOST in one write, their
+        # jobs' incidents follow (from one read of the jobs), and the nodes' own incidents,
+        # which no remedy waits for, come after this step's re-plan.
+        newly_lost = [
+            by_id[node_id]
+            for node_id in self.store.set_node_states(
+                lost, common_pb2.NODE_STATE_LOST, expected=common_pb2.NODE_STATE_READY
+            )
+        ]
+        if newly_lost:
+            placed = self.store.list_jobs()
+            for node in newly_lost:
+                self._jobs_lost_node(node, placed)
+        try:
+            self._reconcile_jobs(now)
+        finally:
+            for node in newly_lost:
+                self._record(self._node_lost_report(node, "", 0))
+
+    def _reconcile_jobs(self, now: float) -> None:
         self._decide_held(now)
         jobs = self.store.list_jobs()
         for job_id, node_id in decide.overdue_workers(now, jobs):
@@ -1000,7 +1028,7 @@ class Coordinator:
         if now - self._last_accrual >= SUB_HEALTHY_PERIOD_S:
             self._accrue_sub_healthy(jobs, now - self._last_accrual if self._last_accrual else 0.0)
             self._last_accrual = now
-        nodes = self._list_nodes()
+        nodes = self._list_nodes()  # as the steps above left them (lost, isolated)
         wanted = (
             self._replan_reason
             or ("pending jobs" if any(job.state == state.PENDING for job in jobs) else "")
@@ -1033,23 +1061,24 @@ class Coordinator:
         self._wake.set()
 
     def _unreachable(self) -> frozenset[str]:
-        return frozenset(n.node_id for n in self._list_nodes() if n.state == common_pb2.NODE_STATE_LOST)
+        nodes = self.store.list_nodes(heartbeats=False)  # states only: no heartbeat needed
+        return frozenset(n.node_id for n in nodes if n.state == common_pb2.NODE_STATE_LOST)
 
-    def _lose_node(self, node: common_pb2.Node) -> None:
-        if not self.store.set_node_state(
-            node.node_id, common_pb2.NODE_STATE_LOST, expected=common_pb2.NODE_STATE_READY
-        ):
-            return
-        timeout = self.settings.heartbeat_timeout_s
-        last = max(node.last_heartbeat.ToNanoseconds() / 1e9, self._started_at)
-        self._record(incidents.node_lost_report(node.node_id, "", 0, last, timeout))
-        for job in self.store.list_jobs():
+    def _jobs_lost_node(self, node: common_pb2.Node, jobs: list[common_pb2.Job]) -> None:
+        """The incidents of the jobs of a node just marked LOST. `jobs` says where its
+        workers were (assignments change only when a replan commits, after this); `_record`
+        reads each job's own state again."""
+        for job in jobs:
             if node.node_id in decide.nodes_of(job):
                 # A job that other ranks' errors already ended gets the node loss as the
                 # root cause of its incident; a running one gets a new incident.
-                report = incidents.node_lost_report(node.node_id, job.job_id, job.assignment.generation, last, timeout)
+                report = self._node_lost_report(node, job.job_id, job.assignment.generation)
                 self._record(report, create=job.state in state.ACTIVE)
         self._want_replan(f"node {node.node_id} lost")
+
+    def _node_lost_report(self, node: common_pb2.Node, job_id: str, generation: int) -> common_pb2.FailureReport:
+        last = max(node.last_heartbeat.ToNanoseconds() / 1e9, self._started_at)
+        return incidents.node_lost_report(node.node_id, job_id, generation, last, self.settings.heartbeat_timeout_s)
 
     def _missed_ack(self, job_id: str, node_id: str, now: float) -> None:
         job = self.store.get_job(job_id)
@@ -1158,7 +1187,9 @@ class Coordinator:
 
     def _carry_out(self, change: decide.Change, nodes: dict[str, common_pb2.Node], why: str, now: float) -> None:
         settings = self.settings
-        unreachable = self._unreachable()
+        # From the replan's own view of the nodes: listing a thousand nodes again for each
+        # job placed made placing a hundred jobs take seconds of CPU.
+        unreachable = frozenset(node_id for node_id, node in nodes.items() if node.state == common_pb2.NODE_STATE_LOST)
         moved = False
 
         def mutate(job: common_pb2.Job) -> JobWrite | None:

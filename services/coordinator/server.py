@@ -1,8 +1,16 @@
-"""Thin gRPC servicers over the Coordinator: validate, convert, one call, convert back."""
+"""Thin gRPC servicers over the Coordinator: validate, convert, one call, convert back.
+
+They are coroutines on an asyncio server (unicron.rpc.Server(asyncio=True)). Calls that reach
+Redis run in the server's threads (`asyncio.to_thread`, which carries the caller along);
+a heartbeat from a node already heard and an idle command stream cost no thread at all,
+which is what lets one coordinator process hold a thousand agents."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+from typing import TypeAlias
 
 import grpc
 
@@ -14,6 +22,9 @@ from unicron.v1 import job_service_pb2 as jobs_pb
 from unicron.v1 import job_service_pb2_grpc, node_service_pb2_grpc
 from unicron.v1 import node_service_pb2 as nodes_pb
 
+Context: TypeAlias = grpc.aio.ServicerContext
+to_thread = asyncio.to_thread
+
 
 class JobServicer(job_service_pb2_grpc.JobServiceServicer):
     """Users reach these only with a valid token (unicron.security.Guard); each call is scoped
@@ -23,55 +34,61 @@ class JobServicer(job_service_pb2_grpc.JobServiceServicer):
         self._coordinator = coordinator
 
     @grpc_errors
-    def SubmitJob(self, request: jobs_pb.SubmitJobRequest, context: grpc.ServicerContext) -> jobs_pb.SubmitJobResponse:
+    async def SubmitJob(self, request: jobs_pb.SubmitJobRequest, context: Context) -> jobs_pb.SubmitJobResponse:
         if not request.HasField("spec"):
             raise InvalidArgument("spec", "is required")
-        return jobs_pb.SubmitJobResponse(job=self._coordinator.submit(request.spec, owner=caller().name))
+        job = await to_thread(self._coordinator.submit, request.spec, owner=caller().name)
+        return jobs_pb.SubmitJobResponse(job=job)
 
     @grpc_errors
-    def GetJob(self, request: jobs_pb.GetJobRequest, context: grpc.ServicerContext) -> jobs_pb.GetJobResponse:
-        return jobs_pb.GetJobResponse(job=self._coordinator.get(request.job_id, _scope()))
+    async def GetJob(self, request: jobs_pb.GetJobRequest, context: Context) -> jobs_pb.GetJobResponse:
+        return jobs_pb.GetJobResponse(job=await to_thread(self._coordinator.get, request.job_id, _scope()))
 
     @grpc_errors
-    def ListJobs(self, request: jobs_pb.ListJobsRequest, context: grpc.ServicerContext) -> jobs_pb.ListJobsResponse:
-        return jobs_pb.ListJobsResponse(jobs=self._coordinator.list_jobs(set(request.states), _scope()))
+    async def ListJobs(self, request: jobs_pb.ListJobsRequest, context: Context) -> jobs_pb.ListJobsResponse:
+        jobs = await to_thread(self._coordinator.list_jobs, set(request.states), _scope())
+        return jobs_pb.ListJobsResponse(jobs=jobs)
 
     @grpc_errors
-    def CancelJob(self, request: jobs_pb.CancelJobRequest, context: grpc.ServicerContext) -> jobs_pb.CancelJobResponse:
-        return jobs_pb.CancelJobResponse(job=self._coordinator.cancel(request.job_id, request.reason, _scope()))
+    async def CancelJob(self, request: jobs_pb.CancelJobRequest, context: Context) -> jobs_pb.CancelJobResponse:
+        job = await to_thread(self._coordinator.cancel, request.job_id, request.reason, _scope())
+        return jobs_pb.CancelJobResponse(job=job)
 
     @grpc_errors
-    def WatchJob(
-        self, request: jobs_pb.WatchJobRequest, context: grpc.ServicerContext
-    ) -> Iterator[jobs_pb.WatchJobResponse]:
-        for event in self._coordinator.watch(request.job_id, request.after_event_id, context.is_active, _scope()):
-            yield jobs_pb.WatchJobResponse(event=event)
+    async def WatchJob(
+        self, request: jobs_pb.WatchJobRequest, context: Context
+    ) -> AsyncIterator[jobs_pb.WatchJobResponse]:
+        # The coordinator's watch blocks in Redis reads of a second; it runs in a thread, one
+        # event at a time, and ends at its next read once the watcher has gone.
+        gone = threading.Event()
+        events = self._coordinator.watch(request.job_id, request.after_event_id, lambda: not gone.is_set(), _scope())
+        try:
+            while (event := await to_thread(next, events, None)) is not None:
+                yield jobs_pb.WatchJobResponse(event=event)
+        finally:
+            gone.set()
 
     @grpc_errors
-    def ListNodes(self, request: jobs_pb.ListNodesRequest, context: grpc.ServicerContext) -> jobs_pb.ListNodesResponse:
-        return jobs_pb.ListNodesResponse(nodes=self._coordinator.nodes())
+    async def ListNodes(self, request: jobs_pb.ListNodesRequest, context: Context) -> jobs_pb.ListNodesResponse:
+        return jobs_pb.ListNodesResponse(nodes=await to_thread(self._coordinator.nodes))
 
     @grpc_errors
-    def ListIncidents(
-        self, request: jobs_pb.ListIncidentsRequest, context: grpc.ServicerContext
+    async def ListIncidents(
+        self, request: jobs_pb.ListIncidentsRequest, context: Context
     ) -> jobs_pb.ListIncidentsResponse:
-        return jobs_pb.ListIncidentsResponse(incidents=self._coordinator.list_incidents(request.job_id, _scope()))
+        incidents = await to_thread(self._coordinator.list_incidents, request.job_id, _scope())
+        return jobs_pb.ListIncidentsResponse(incidents=incidents)
 
     @grpc_errors
-    def InjectFault(
-        self, request: jobs_pb.InjectFaultRequest, context: grpc.ServicerContext
-    ) -> jobs_pb.InjectFaultResponse:
+    async def InjectFault(self, request: jobs_pb.InjectFaultRequest, context: Context) -> jobs_pb.InjectFaultResponse:
         if not request.HasField("fault"):
             raise InvalidArgument("fault", "is required")
-        return jobs_pb.InjectFaultResponse(
-            node_id=self._coordinator.inject_fault(request.job_id, request.fault, _scope())
-        )
+        node_id = await to_thread(self._coordinator.inject_fault, request.job_id, request.fault, _scope())
+        return jobs_pb.InjectFaultResponse(node_id=node_id)
 
     @grpc_errors
-    def GetCluster(
-        self, request: jobs_pb.GetClusterRequest, context: grpc.ServicerContext
-    ) -> jobs_pb.GetClusterResponse:
-        return self._coordinator.cluster(_scope())
+    async def GetCluster(self, request: jobs_pb.GetClusterRequest, context: Context) -> jobs_pb.GetClusterResponse:
+        return await to_thread(self._coordinator.cluster, _scope())
 
 
 def _scope() -> str | None:
@@ -83,11 +100,16 @@ class NodeServicer(node_service_pb2_grpc.NodeServiceServicer):
         self._coordinator = coordinator
 
     @grpc_errors
-    def RegisterNode(
-        self, request: nodes_pb.RegisterNodeRequest, context: grpc.ServicerContext
+    async def RegisterNode(
+        self, request: nodes_pb.RegisterNodeRequest, context: Context
     ) -> nodes_pb.RegisterNodeResponse:
-        node, last_command = self._coordinator.register_node(
-            request.node_id, request.address, request.slots, request.failure_domain, request.fault_injection
+        node, last_command = await to_thread(
+            self._coordinator.register_node,
+            request.node_id,
+            request.address,
+            request.slots,
+            request.failure_domain,
+            request.fault_injection,
         )
         return nodes_pb.RegisterNodeResponse(
             node=node,
@@ -96,61 +118,68 @@ class NodeServicer(node_service_pb2_grpc.NodeServiceServicer):
         )
 
     @grpc_errors
-    def Heartbeat(
-        self, request: nodes_pb.HeartbeatRequest, context: grpc.ServicerContext
-    ) -> nodes_pb.HeartbeatResponse:
-        return nodes_pb.HeartbeatResponse(known=self._coordinator.heartbeat(request.node_id))
+    async def Heartbeat(self, request: nodes_pb.HeartbeatRequest, context: Context) -> nodes_pb.HeartbeatResponse:
+        # The common case, a node heard before, is a dictionary write on the event loop.
+        known = self._coordinator.heartbeat_if_seen(request.node_id) or await to_thread(
+            self._coordinator.heartbeat, request.node_id
+        )
+        return nodes_pb.HeartbeatResponse(known=known)
 
     @grpc_errors
-    def ReportProgress(
-        self, request: nodes_pb.ReportProgressRequest, context: grpc.ServicerContext
+    async def ReportProgress(
+        self, request: nodes_pb.ReportProgressRequest, context: Context
     ) -> nodes_pb.ReportProgressResponse:
-        self._coordinator.report_progress(request.node_id, list(request.reports))
+        await to_thread(self._coordinator.report_progress, request.node_id, list(request.reports))
         return nodes_pb.ReportProgressResponse()
 
     @grpc_errors
-    def ReportFailure(
-        self, request: nodes_pb.ReportFailureRequest, context: grpc.ServicerContext
+    async def ReportFailure(
+        self, request: nodes_pb.ReportFailureRequest, context: Context
     ) -> nodes_pb.ReportFailureResponse:
         if not request.HasField("report"):
             raise InvalidArgument("report", "is required")
-        self._coordinator.report_failure(request.node_id, request.report)
+        await to_thread(self._coordinator.report_failure, request.node_id, request.report)
         return nodes_pb.ReportFailureResponse()
 
     @grpc_errors
-    def ReportWorkerExit(
-        self, request: nodes_pb.ReportWorkerExitRequest, context: grpc.ServicerContext
+    async def ReportWorkerExit(
+        self, request: nodes_pb.ReportWorkerExitRequest, context: Context
     ) -> nodes_pb.ReportWorkerExitResponse:
-        self._coordinator.report_worker_exit(request)
+        await to_thread(self._coordinator.report_worker_exit, request)
         return nodes_pb.ReportWorkerExitResponse()
 
     @grpc_errors
-    def ReportFaultInjected(
-        self, request: nodes_pb.ReportFaultInjectedRequest, context: grpc.ServicerContext
+    async def ReportFaultInjected(
+        self, request: nodes_pb.ReportFaultInjectedRequest, context: Context
     ) -> nodes_pb.ReportFaultInjectedResponse:
-        self._coordinator.report_fault_injected(request)
+        await to_thread(self._coordinator.report_fault_injected, request)
         return nodes_pb.ReportFaultInjectedResponse()
 
     @grpc_errors
-    def AckCommand(
-        self, request: nodes_pb.AckCommandRequest, context: grpc.ServicerContext
-    ) -> nodes_pb.AckCommandResponse:
-        self._coordinator.ack_command(request)
+    async def AckCommand(self, request: nodes_pb.AckCommandRequest, context: Context) -> nodes_pb.AckCommandResponse:
+        await to_thread(self._coordinator.ack_command, request)
         return nodes_pb.AckCommandResponse()
 
     @grpc_errors
-    def StreamCommands(
-        self, request: nodes_pb.StreamCommandsRequest, context: grpc.ServicerContext
-    ) -> Iterator[nodes_pb.StreamCommandsResponse]:
-        if not request.node_id:
-            raise InvalidArgument("node_id", "is required")
-        for command in self._coordinator.commands(request.node_id, request.after_command_id, context.is_active):
-            yield nodes_pb.StreamCommandsResponse(command=command)
+    async def StreamCommands(
+        self, request: nodes_pb.StreamCommandsRequest, context: Context
+    ) -> AsyncIterator[nodes_pb.StreamCommandsResponse]:
+        stream = await to_thread(self._coordinator.open_commands, request.node_id, request.after_command_id)
+        try:
+            while True:
+                for command in await to_thread(stream.read):
+                    yield nodes_pb.StreamCommandsResponse(command=command)
+                if not await stream.changed():
+                    return
+        finally:
+            stream.close()
 
 
 def serve(server: Server, coordinator: Coordinator) -> None:
-    """Puts the coordinator's two services on `server`; stopping the server stops the
-    coordinator first (its open streams end before its state store goes)."""
+    """Puts the coordinator's two services on `server`, an asyncio one; stopping the server
+    stops the coordinator first (its open streams end before its state store goes)."""
+    if not server.is_async:
+        raise ValueError("the coordinator's servicers are coroutines: serve them from Server(asyncio=True)")
     server.add(job_service_pb2_grpc.add_JobServiceServicer_to_server, JobServicer(coordinator), "unicron.v1.JobService")
     server.add(
         node_service_pb2_grpc.add_NodeServiceServicer_to_server, NodeServicer(coordinator), "unicron.v1.NodeService"

@@ -34,6 +34,10 @@ F = TypeVar("F", bound=Callable[..., Any])
 PREFIX = "unicron:"
 JOBS_INDEX = PREFIX + "jobs"
 NODES_INDEX = PREFIX + "nodes"
+# Set anew by every write of a node's record (not of its heartbeat), so a reader can tell that
+# the records it holds are still current from one small read. A random value, not a counter:
+# a store emptied and filled again must not repeat one.
+NODES_VERSION = PREFIX + "nodes:version"
 INCIDENTS_INDEX = PREFIX + "incidents"
 CAS_ATTEMPTS = 20
 EVENT_FIELD = b"e"
@@ -65,6 +69,10 @@ def _incident_key(incident_id: str) -> str:
 
 def _job_incidents_key(job_id: str) -> str:
     return f"{PREFIX}job:{job_id}:incidents"
+
+
+def _new_version() -> str:
+    return uuid.uuid4().hex
 
 
 def _node_key(node_id: str) -> str:
@@ -131,6 +139,8 @@ class Store:
         # Any: redis-py types every sync reply as `Awaitable | Any`, which helps no one here.
         self._redis: Any = client
         self._lease = lease
+        # (NODES_VERSION, [(node id, record)]) as last read
+        self._node_records: tuple[bytes | None, list[tuple[str, bytes]]] | None = None
 
     def _watch(self, pipe: Any, *keys: str) -> None:
         """WATCHes keys and, when fenced, the lease's fencing counter, then checks the lease
@@ -374,6 +384,7 @@ class Store:
         with self._redis.pipeline(transaction=True) as pipe:
             pipe.set(_node_key(node.node_id), node.SerializeToString())
             pipe.sadd(NODES_INDEX, node.node_id)
+            pipe.set(NODES_VERSION, _new_version())
             pipe.set(_heartbeat_key(node.node_id), repr(now))
             pipe.execute()
         return self.last_command_id(node.node_id)
@@ -386,21 +397,32 @@ class Store:
         return common_pb2.Node.FromString(raw) if raw is not None else None
 
     @redis_errors
-    def list_nodes(self) -> list[common_pb2.Node]:
-        ids = sorted(raw.decode() for raw in self._redis.smembers(NODES_INDEX))
-        if not ids:
-            return []
-        raws = self._redis.mget([_node_key(i) for i in ids])
-        beats = self._redis.mget([_heartbeat_key(i) for i in ids])
-        nodes = []
-        for raw, beat in zip(raws, beats, strict=True):
-            if raw is None:
-                continue
-            node = common_pb2.Node.FromString(raw)
-            if beat is not None:
-                node.last_heartbeat.FromNanoseconds(int(float(beat) * 1e9))
-            nodes.append(node)
+    def list_nodes(self, heartbeats: bool = True) -> list[common_pb2.Node]:
+        """Every node, with its last stored heartbeat unless `heartbeats` is False. The
+        records are read again only when one was written since the last read
+        (NODES_VERSION): the coordinator lists a thousand nodes several times a second, and
+        they rarely change."""
+        version = self._redis.get(NODES_VERSION)
+        cached = self._node_records
+        if cached is None or cached[0] != version:
+            ids = sorted(raw.decode() for raw in self._redis.smembers(NODES_INDEX))
+            raws = self._redis.mget([_node_key(i) for i in ids]) if ids else []
+            cached = self._node_records = (version, [(i, raw) for i, raw in zip(ids, raws, strict=True) if raw])
+        nodes = [common_pb2.Node.FromString(raw) for _, raw in cached[1]]
+        if heartbeats:
+            beats = self.heartbeats([node.node_id for node in nodes])
+            for node in nodes:
+                if node.node_id in beats:
+                    node.last_heartbeat.FromNanoseconds(int(beats[node.node_id] * 1e9))
         return nodes
+
+    @redis_errors
+    def heartbeats(self, node_ids: Sequence[str]) -> dict[str, float]:
+        """The last stored heartbeat (seconds) of each of these nodes that has one."""
+        if not node_ids:
+            return {}
+        raws = self._redis.mget([_heartbeat_key(node_id) for node_id in node_ids])
+        return {node_id: float(raw) for node_id, raw in zip(node_ids, raws, strict=True) if raw is not None}
 
     @redis_errors
     def node_known(self, node_id: str) -> bool:
@@ -415,30 +437,42 @@ class Store:
         if beats:
             self._redis.mset({_heartbeat_key(node_id): repr(at) for node_id, at in beats.items()})
 
-    @redis_errors
     def set_node_state(self, node_id: str, state: int, expected: int) -> bool:
         """Compare-and-set of a node's state; False if it was not `expected` any more."""
-        key = _node_key(node_id)
-        # Unfenced, a lost race means the node changed: False. Fenced, the race may have been
-        # with the lease, so it is run again: the next check tells which it was.
-        for _ in range(CAS_ATTEMPTS if self._lease is not None else 1):
+        return node_id in self.set_node_states([node_id], state, expected)
+
+    @redis_errors
+    def set_node_states(self, node_ids: Sequence[str], state: int, expected: int) -> list[str]:
+        """Compare-and-set of many nodes' state in one transaction (one append-only-file sync
+        for a rack that vanished, not one per node); returns the nodes that were `expected`
+        and now are `state`. A node written meanwhile is read again, so a race is lost only
+        to a real change of state (or, fenced, of the lease: NotLeader)."""
+        keys = [_node_key(node_id) for node_id in node_ids]
+        if not keys:
+            return []
+        for _ in range(CAS_ATTEMPTS):
             with self._redis.pipeline() as pipe:
                 try:
-                    self._watch(pipe, key)
-                    raw = pipe.get(key)
-                    if raw is None:
-                        return False
-                    node = common_pb2.Node.FromString(raw)
-                    if node.state != expected:
-                        return False
-                    node.state = state  # type: ignore[assignment]
+                    self._watch(pipe, *keys)
+                    changed: list[tuple[str, common_pb2.Node]] = []
+                    for node_id, raw in zip(node_ids, pipe.mget(keys), strict=True):
+                        node = common_pb2.Node.FromString(raw) if raw is not None else None
+                        if node is not None and node.state == expected:
+                            node.state = state  # type: ignore[assignment]
+                            changed.append((node_id, node))
+                    if not changed:
+                        return []
                     pipe.multi()
-                    pipe.set(key, node.SerializeToString())
+                    for node_id, node in changed:
+                        pipe.set(_node_key(node_id), node.SerializeToString())
+                    pipe.set(NODES_VERSION, _new_version())
                     pipe.execute()
-                    return True
+                    return [node_id for node_id, _ in changed]
                 except redis.WatchError:
                     continue
-        return False
+        if self._lease is not None:
+            raise NotLeader("the coordinator lease keeps changing hands")
+        return []
 
     @redis_errors
     def append_command(self, node_id: str, command: node_service_pb2.NodeCommand) -> str:

@@ -89,7 +89,7 @@ def start_plane(url: str) -> Plane:
         Settings(heartbeat_timeout_s=3.0),
         clock=FakeClock(),
     )
-    server = rpc.Server(bind="127.0.0.1:0", max_workers=16, grace_s=0.5)
+    server = rpc.Server(bind="127.0.0.1:0", max_workers=16, grace_s=0.5, asyncio=True)
     serve(server, coordinator)
     server.start()
     return Plane(coordinator, server, planners, client, keeper, lost)

@@ -78,7 +78,7 @@ def control_plane(redis_client: redis.Redis, clock: FakeClock) -> Iterator[Contr
         Settings(heartbeat_timeout_s=3.0),
         clock=clock,
     )
-    server = rpc.Server(bind="127.0.0.1:0", max_workers=16, grace_s=0.5)
+    server = rpc.Server(bind="127.0.0.1:0", max_workers=16, grace_s=0.5, asyncio=True)
     serve(server, coordinator)
     server.start()
     yield ControlPlane(coordinator, server, planners, redis_client, clock)

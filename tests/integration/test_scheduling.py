@@ -255,6 +255,23 @@ def test_silent_node_is_lost_and_its_job_is_replanned(control_plane: ControlPlan
         assert all(n.state == common_pb2.NODE_STATE_READY for n in client.nodes())
 
 
+def test_a_node_registered_again_is_not_judged_by_its_old_heartbeat(
+    control_plane: ControlPlane, clock: FakeClock
+) -> None:
+    """Regression: the coordinator's memory of a node's last heartbeat outranked the newer
+    registration, so a node whose agent came back was declared lost again at once."""
+    register(control_plane, "n1")
+    assert control_plane.node_stub().Heartbeat(node_service_pb2.HeartbeatRequest(node_id="n1"), timeout=5).known
+    clock.advance(4.0)
+    control_plane.coordinator.reconcile_once()
+    with control_plane.client() as client:
+        assert [n.state for n in client.nodes()] == [common_pb2.NODE_STATE_LOST]
+    register(control_plane, "n1")
+    control_plane.coordinator.reconcile_once()
+    with control_plane.client() as client:
+        assert [n.state for n in client.nodes()] == [common_pb2.NODE_STATE_READY]
+
+
 def test_unknown_node_heartbeat_asks_to_register(control_plane: ControlPlane) -> None:
     reply = control_plane.node_stub().Heartbeat(node_service_pb2.HeartbeatRequest(node_id="ghost"), timeout=5)
     assert not reply.known

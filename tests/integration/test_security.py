@@ -97,14 +97,19 @@ class SecurePlane:
 
 
 def secure_server(
-    pki: certs.DevPKI, leaf: certs.Leaf, limits: Limits | None = None, lookup: Any = None, certificates: bool = True
+    pki: certs.DevPKI,
+    leaf: certs.Leaf,
+    limits: Limits | None = None,
+    lookup: Any = None,
+    certificates: bool = True,
+    asyncio: bool = False,
 ) -> rpc.Server:
     security = ServerSecurity(
         tls=leaf_tls(pki, leaf),
         authenticator=token_authenticator(lookup or (lambda _token: None), certificates),
         limits=limits or Limits(),
     )
-    return rpc.Server(bind="127.0.0.1:0", max_workers=8, grace_s=0.2, security=security)
+    return rpc.Server(bind="127.0.0.1:0", max_workers=8, grace_s=0.2, security=security, asyncio=asyncio)
 
 
 def make_plane(pki: certs.DevPKI, redis_client: redis.Redis, limits: Limits | None = None) -> SecurePlane:
@@ -122,7 +127,9 @@ def make_plane(pki: certs.DevPKI, redis_client: redis.Redis, limits: Limits | No
         Settings(heartbeat_timeout_s=3.0),
         clock=FakeClock(),
     )
-    server = secure_server(pki, pki.services["coordinator"], limits, TokenBook.load(str(pki.tokens_file)).lookup)
+    server = secure_server(
+        pki, pki.services["coordinator"], limits, TokenBook.load(str(pki.tokens_file)).lookup, asyncio=True
+    )
     serve(server, coordinator)
     server.start()
     return SecurePlane(pki, coordinator, server, planner, redis_client)
