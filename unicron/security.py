@@ -547,6 +547,11 @@ class _Admission:
     def rule(self, method: str) -> Rule | None:
         return rule_for(self.security.policy, method)
 
+    def exempt(self, method: str) -> bool:
+        """A public method (health, reflection) is served to anyone, unlimited."""
+        rule = self.rule(method)
+        return rule is not None and rule.public
+
     def admit(self, method: str, rule: Rule | None, request: Any, context: Any, *, unary: bool) -> Principal:
         principal = TRUSTED
         try:
@@ -623,13 +628,11 @@ class Guard(grpc.ServerInterceptor):
         self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None], details: Any
     ) -> grpc.RpcMethodHandler | None:
         handler = continuation(details)
-        if handler is None:
-            return None
         admission = self._admission
         method: str = details.method
-        rule = admission.rule(method)
-        if rule is not None and rule.public:
+        if handler is None or admission.exempt(method):
             return handler
+        rule = admission.rule(method)
 
         def admit(request: Any, context: grpc.ServicerContext, unary: bool) -> Principal:
             try:
@@ -695,13 +698,11 @@ class AsyncGuard(grpc.aio.ServerInterceptor):
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler | None:
         handler = await continuation(details)
-        if handler is None:
-            return None
         admission = self._admission
         method: str = details.method
-        rule = admission.rule(method)
-        if rule is not None and rule.public:
+        if handler is None or admission.exempt(method):
             return handler
+        rule = admission.rule(method)
         deserialize = _tolerant(handler.request_deserializer)
         if handler.unary_unary is not None:
             behavior = handler.unary_unary
