@@ -547,9 +547,9 @@ class _Admission:
     def rule(self, method: str) -> Rule | None:
         return rule_for(self.security.policy, method)
 
-    def exempt(self, method: str) -> bool:
+    @staticmethod
+    def exempt(rule: Rule | None) -> bool:
         """A public method (health, reflection) is served to anyone, unlimited."""
-        rule = self.rule(method)
         return rule is not None and rule.public
 
     def admit(self, method: str, rule: Rule | None, request: Any, context: Any, *, unary: bool) -> Principal:
@@ -630,9 +630,9 @@ class Guard(grpc.ServerInterceptor):
         handler = continuation(details)
         admission = self._admission
         method: str = details.method
-        if handler is None or admission.exempt(method):
-            return handler
         rule = admission.rule(method)
+        if handler is None or admission.exempt(rule):
+            return handler
 
         def admit(request: Any, context: grpc.ServicerContext, unary: bool) -> Principal:
             try:
@@ -690,7 +690,7 @@ class AsyncGuard(grpc.aio.ServerInterceptor):
     no thread, so their cap is a bound on memory and file handles, not on threads."""
 
     def __init__(self, security: ServerSecurity, max_streams: int) -> None:
-        self._admission = _Admission(security, security.limits.max_streams or max_streams)
+        self._admission = _Admission(security, max_streams)
 
     async def intercept_service(
         self,
@@ -700,9 +700,9 @@ class AsyncGuard(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         admission = self._admission
         method: str = details.method
-        if handler is None or admission.exempt(method):
-            return handler
         rule = admission.rule(method)
+        if handler is None or admission.exempt(rule):
+            return handler
         deserialize = _tolerant(handler.request_deserializer)
         if handler.unary_unary is not None:
             behavior = handler.unary_unary

@@ -292,7 +292,7 @@ class Coordinator:
     def _list_nodes(self) -> list[common_pb2.Node]:
         """The stored nodes with their last heartbeats: the ones this coordinator heard
         (newer than any it saved), else the stored ones (nodes silent since it started)."""
-        nodes = self.store.list_nodes(heartbeats=False)
+        nodes = self.store.list_nodes()
         with self._beats_lock:
             beats = dict(self._beats)
         unheard = [node.node_id for node in nodes if node.node_id not in beats]
@@ -793,7 +793,7 @@ class Coordinator:
         job = self.store.get_job(incident.job_id)
         if job.state not in state.ACTIVE or job.assignment.generation != incident.generation:
             return
-        ready = {n.node_id for n in self.store.list_nodes(heartbeats=False) if n.state == common_pb2.NODE_STATE_READY}
+        ready = {n.node_id for n in self.store.list_nodes() if n.state == common_pb2.NODE_STATE_READY}
         decision = ladder.choose(
             incident.kind,
             job.remedies,
@@ -1061,7 +1061,7 @@ class Coordinator:
         self._wake.set()
 
     def _unreachable(self) -> frozenset[str]:
-        nodes = self.store.list_nodes(heartbeats=False)  # states only: no heartbeat needed
+        nodes = self.store.list_nodes()
         return frozenset(n.node_id for n in nodes if n.state == common_pb2.NODE_STATE_LOST)
 
     def _jobs_lost_node(self, node: common_pb2.Node, jobs: list[common_pb2.Job]) -> None:

@@ -397,24 +397,17 @@ class Store:
         return common_pb2.Node.FromString(raw) if raw is not None else None
 
     @redis_errors
-    def list_nodes(self, heartbeats: bool = True) -> list[common_pb2.Node]:
-        """Every node, with its last stored heartbeat unless `heartbeats` is False. The
-        records are read again only when one was written since the last read
-        (NODES_VERSION): the coordinator lists a thousand nodes several times a second, and
-        they rarely change."""
+    def list_nodes(self) -> list[common_pb2.Node]:
+        """Every node's record (its last heartbeat is apart: `heartbeats`). The records are
+        read again only when one was written since the last read (NODES_VERSION): the
+        coordinator lists a thousand nodes several times a second, and they rarely change."""
         version = self._redis.get(NODES_VERSION)
         cached = self._node_records
         if cached is None or cached[0] != version:
             ids = sorted(raw.decode() for raw in self._redis.smembers(NODES_INDEX))
             raws = self._redis.mget([_node_key(i) for i in ids]) if ids else []
             cached = self._node_records = (version, [(i, raw) for i, raw in zip(ids, raws, strict=True) if raw])
-        nodes = [common_pb2.Node.FromString(raw) for _, raw in cached[1]]
-        if heartbeats:
-            beats = self.heartbeats([node.node_id for node in nodes])
-            for node in nodes:
-                if node.node_id in beats:
-                    node.last_heartbeat.FromNanoseconds(int(beats[node.node_id] * 1e9))
-        return nodes
+        return [common_pb2.Node.FromString(raw) for _, raw in cached[1]]
 
     @redis_errors
     def heartbeats(self, node_ids: Sequence[str]) -> dict[str, float]:
