@@ -144,6 +144,11 @@ class Coordinator:
         self._beats: dict[str, float] = {}
         self._unsaved_beats: dict[str, float] = {}
         self._beats_lock = threading.Lock()
+        # Nodes stored LOST (as the last reconcile step saw them): a heartbeat from one is
+        # answered "unknown", so its agent registers again and the node is READY again (its
+        # trainers were re-planned away; a LOST node its agent still heartbeats for would stay
+        # out of every plan otherwise).
+        self._lost: set[str] = set()
         self._feed = CommandFeed(store)
 
     # ---- job API ----------------------------------------------------------------------
@@ -261,19 +266,21 @@ class Coordinator:
         last_command = self.store.put_node(node, now)
         with self._beats_lock:  # registering is a heartbeat: an older one heard before must not count
             self._beats[node_id] = now
+            self._lost.discard(node_id)
         log.info("node registered", extra={"node_id": node_id, "address": address, "slots": slots})
         if previous is None or previous.state != common_pb2.NODE_STATE_READY or previous.slots != slots:
             self._want_replan(f"node {node_id} joined")
         return node, last_command
 
     def heartbeat(self, node_id: str) -> bool:
-        """Records a heartbeat; False when the node is unknown (it must register again)."""
+        """Records a heartbeat; False when the node is unknown or LOST (it must register again)."""
         if not node_id:
             raise InvalidArgument("node_id", "is required")
-        # A node once registered stays in the index, so only an unseen one is looked up.
+        # Only a node this coordinator has not heard yet is looked up.
         if self.heartbeat_if_seen(node_id):
             return True
-        if not self.store.node_known(node_id):
+        stored = self.store.get_node(node_id)
+        if stored is None or stored.state == common_pb2.NODE_STATE_LOST:
             return False
         now = self.clock()
         with self._beats_lock:
@@ -284,7 +291,7 @@ class Coordinator:
         """Records a heartbeat of a node this coordinator has heard before, touching no
         store (so it may run on the server's event loop); False: call `heartbeat`."""
         with self._beats_lock:
-            if node_id not in self._beats:
+            if node_id not in self._beats or node_id in self._lost:
                 return False
             self._beats[node_id] = self._unsaved_beats[node_id] = self.clock()
         return True
@@ -1008,6 +1015,10 @@ class Coordinator:
                 lost, common_pb2.NODE_STATE_LOST, expected=common_pb2.NODE_STATE_READY
             )
         ]
+        with self._beats_lock:
+            self._lost = {n.node_id for n in nodes if n.state == common_pb2.NODE_STATE_LOST} | {
+                n.node_id for n in newly_lost
+            }
         if newly_lost:
             placed = self.store.list_jobs()
             for node in newly_lost:
@@ -1273,15 +1284,18 @@ class Coordinator:
         # who is gone.
         waiting: set[int] = set()
         gone: set[int] = set()
+        lost: set[str] = set()
         for incident in self.store.list_incidents(job.job_id, limit=20):
             if incident.generation == job.assignment.generation and not incident.HasField("resumed"):
                 more_waiting, more_gone = incidents.waiting_and_gone(incident)
                 waiting |= more_waiting
                 gone |= more_gone
-        # Ranks on a node taken out of service are gone (stopped, if not dead already).
+                lost |= incidents.lost_nodes(incident)
+        # Ranks on a node taken out of service are gone (stopped, if not dead already), and
+        # so are those on a node lost meanwhile, even if its agent is back.
         for worker in job.assignment.workers:
             node = nodes.get(worker.node_id)
-            if node is None or node.state != common_pb2.NODE_STATE_READY:
+            if node is None or node.state != common_pb2.NODE_STATE_READY or worker.node_id in lost:
                 gone.update(worker.ranks)
         unreachable = frozenset(n for n, node in nodes.items() if node.state == common_pb2.NODE_STATE_LOST)
         return decide.survivor_map(job, assignment, waiting - gone, gone, unreachable)

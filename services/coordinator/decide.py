@@ -45,9 +45,26 @@ def used_slots(jobs: Iterable[common_pb2.Job]) -> dict[str, int]:
 
 
 def hit_jobs(jobs: Iterable[common_pb2.Job], nodes: Iterable[common_pb2.Node]) -> set[str]:
-    """Active jobs with ranks on a node that is not READY: they must move."""
+    """Active jobs that must move: ranks on a node that is not READY, or a remedy that waits
+    for a re-plan to carry it out. The second without the first is a node lost and back (its
+    agent started again) before the re-plan: the job's ranks there died all the same."""
     ready = {node.node_id for node in nodes if node.state == common_pb2.NODE_STATE_READY}
-    return {job.job_id for job in jobs if job.state in state.ACTIVE and any(n not in ready for n in nodes_of(job))}
+    return {
+        job.job_id
+        for job in jobs
+        if job.state in state.ACTIVE and (any(n not in ready for n in nodes_of(job)) or awaits_replan(job))
+    }
+
+
+def awaits_replan(job: common_pb2.Job) -> bool:
+    """Whether the job's last remedy is one the next re-plan carries out (a reconfiguration:
+    no generation of its own yet)."""
+    return (
+        job.state == state.RECOVERING
+        and bool(job.remedies)
+        and not job.remedies[-1].HasField("resumed")
+        and job.remedies[-1].generation == 0
+    )
 
 
 def plan_request(

@@ -189,6 +189,16 @@ def waiting_and_gone(incident: pb.Incident) -> tuple[set[int], set[int]]:
     return waiting - gone, gone
 
 
+def lost_nodes(incident: pb.Incident) -> set[str]:
+    """Nodes the incident's generation lost (no heartbeat): their ranks are gone, even once
+    the node's agent is back."""
+    return {
+        r.node_id
+        for r in incident.reports
+        if r.generation == incident.generation and r.kind == pb.FAILURE_KIND_NODE_LOST and r.node_id
+    }
+
+
 def ranks_alive(incident: pb.Incident) -> bool:
     """False when a report says a rank of the incident's generation is gone (exited, or its
     node lost): nothing can then be reattempted in place."""

@@ -418,10 +418,6 @@ class Store:
         return {node_id: float(raw) for node_id, raw in zip(node_ids, raws, strict=True) if raw is not None}
 
     @redis_errors
-    def node_known(self, node_id: str) -> bool:
-        return bool(self._redis.sismember(NODES_INDEX, node_id))
-
-    @redis_errors
     def save_heartbeats(self, beats: Mapping[str, float]) -> None:
         """The last heartbeat of many nodes in one write. Heartbeats are soft state that the
         active coordinator keeps in memory: saving them in batches costs one append-only-file

@@ -12,6 +12,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from tests.integration.conftest import ControlPlane, FakeClock
 from tests.integration.test_job_api import register, tiny_spec
+from unicron.errors import Unavailable
 from unicron.v1 import common_pb2, node_service_pb2
 
 pytestmark = pytest.mark.integration
@@ -255,6 +256,39 @@ def test_silent_node_is_lost_and_its_job_is_replanned(control_plane: ControlPlan
         assert all(n.state == common_pb2.NODE_STATE_READY for n in client.nodes())
 
 
+def test_a_reconfiguration_is_carried_out_when_the_lost_node_is_back_before_the_replan(
+    control_plane: ControlPlane, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression (chaos test): the node's agent restarted before the re-plan, so no node was
+    unavailable any more and the plan kept the job where it was: RECOVERING for good, its
+    ranks on that node dead with the old agent."""
+    job, _ = scheduled_job(control_plane, data=2)
+    stub = control_plane.node_stub()
+    lost = job.assignment.workers[0].node_id
+    alive = "n1" if lost == "n2" else "n2"
+    planner = control_plane.coordinator.planner
+
+    def down(_request: object) -> object:
+        raise Unavailable("planner down for the test")
+
+    monkeypatch.setattr(planner, "plan", down)
+    clock.advance(2.0)
+    assert stub.Heartbeat(node_service_pb2.HeartbeatRequest(node_id=alive), timeout=5).known
+    clock.advance(2.0)
+    control_plane.coordinator.reconcile_once()  # lost, RECONFIGURE chosen, no plan yet
+    register(control_plane, lost)  # the agent is back
+    monkeypatch.undo()
+    clock.advance(2.0)  # past the re-plan's backoff
+    assert stub.Heartbeat(node_service_pb2.HeartbeatRequest(node_id=alive), timeout=5).known
+    control_plane.coordinator.reconcile_once()
+    with control_plane.client() as client:
+        after = client.get(job.job_id)
+    assert after.remedies[0].remedy == common_pb2.REMEDY_RECONFIGURE
+    assert after.remedies[0].generation == after.assignment.generation == 2
+    assert after.state == common_pb2.JOB_STATE_RECOVERING
+    assert all(w.state == common_pb2.WORKER_STATE_STARTING for w in after.workers if w.generation == 2)
+
+
 def test_a_node_registered_again_is_not_judged_by_its_old_heartbeat(
     control_plane: ControlPlane, clock: FakeClock
 ) -> None:
@@ -267,6 +301,21 @@ def test_a_node_registered_again_is_not_judged_by_its_old_heartbeat(
     with control_plane.client() as client:
         assert [n.state for n in client.nodes()] == [common_pb2.NODE_STATE_LOST]
     register(control_plane, "n1")
+    control_plane.coordinator.reconcile_once()
+    with control_plane.client() as client:
+        assert [n.state for n in client.nodes()] == [common_pb2.NODE_STATE_READY]
+
+
+def test_a_lost_node_that_heartbeats_is_asked_to_register_again(control_plane: ControlPlane, clock: FakeClock) -> None:
+    """A node declared LOST while its agent lives on (a partition, a late heartbeat racing
+    the verdict) comes back by registering again, not by staying out of every plan."""
+    register(control_plane, "n1")
+    stub = control_plane.node_stub()
+    clock.advance(4.0)
+    control_plane.coordinator.reconcile_once()
+    assert not stub.Heartbeat(node_service_pb2.HeartbeatRequest(node_id="n1"), timeout=5).known
+    register(control_plane, "n1")
+    assert stub.Heartbeat(node_service_pb2.HeartbeatRequest(node_id="n1"), timeout=5).known
     control_plane.coordinator.reconcile_once()
     with control_plane.client() as client:
         assert [n.state for n in client.nodes()] == [common_pb2.NODE_STATE_READY]

@@ -65,6 +65,35 @@ def test_plan_request_lets_running_jobs_move_and_marks_hit_ones() -> None:
     assert [n.healthy for n in request.nodes] == [True, False]
 
 
+def _job_on_a(job_state: int, remedy: int = 0, generation: int = 0, resumed: bool = False) -> common_pb2.Job:
+    job = common_pb2.Job(job_id="j", spec=spec(), state=job_state)  # type: ignore[arg-type]
+    job.assignment.workers.add(node_id="a", ranks=[0, 1])
+    if remedy:
+        attempt = job.remedies.add(remedy=remedy, generation=generation)
+        if resumed:
+            attempt.resumed.FromSeconds(1)
+    return job
+
+
+@pytest.mark.parametrize(
+    ("job", "node_state", "hit"),
+    [
+        (_job_on_a(state.RUNNING), common_pb2.NODE_STATE_READY, False),
+        (_job_on_a(state.RUNNING), common_pb2.NODE_STATE_LOST, True),
+        (_job_on_a(state.RUNNING), common_pb2.NODE_STATE_ISOLATED, True),
+        (_job_on_a(state.SUCCEEDED), common_pb2.NODE_STATE_LOST, False),
+        # A reconfiguration waits for the re-plan, even when its node is back (agent restarted).
+        (_job_on_a(state.RECOVERING, common_pb2.REMEDY_RECONFIGURE), common_pb2.NODE_STATE_READY, True),
+        # ... but not once the re-plan gave it a generation, or training resumed.
+        (_job_on_a(state.RECOVERING, common_pb2.REMEDY_RECONFIGURE, generation=3), common_pb2.NODE_STATE_READY, False),
+        (_job_on_a(state.RECOVERING, common_pb2.REMEDY_RESTART, generation=3), common_pb2.NODE_STATE_READY, False),
+        (_job_on_a(state.RUNNING, common_pb2.REMEDY_RECONFIGURE, resumed=True), common_pb2.NODE_STATE_READY, False),
+    ],
+)
+def test_hit_jobs(job: common_pb2.Job, node_state: int, hit: bool) -> None:
+    assert decide.hit_jobs([job], [node("a", 0, node_state)]) == ({"j"} if hit else set())
+
+
 def _plan(*plans: tuple[str, dict[str, int]]) -> planner_service_pb2.PlanResponse:
     reply = planner_service_pb2.PlanResponse(status=planner_service_pb2.SOLVE_STATUS_OPTIMAL)
     for job_id, slots in plans:

@@ -103,3 +103,10 @@ def test_a_network_error_long_before_anything_else_is_its_own_cause() -> None:
     reset = report(pb.FAILURE_KIND_CONNECTION_RESET, EXC, 10.0, rank=0)
     later_exit = report(pb.FAILURE_KIND_PROCESS_EXIT, EXIT, 15.0, rank=0)
     assert build(reset, later_exit).kind == pb.FAILURE_KIND_CONNECTION_RESET
+
+
+def test_a_lost_nodes_ranks_stay_gone_after_its_agent_is_back() -> None:
+    reset = report(pb.FAILURE_KIND_CONNECTION_RESET, EXC, 10.0, rank=0)
+    lost = report(pb.FAILURE_KIND_NODE_LOST, pb.DETECTION_SOURCE_HEARTBEAT, 9.0)
+    assert incidents.lost_nodes(build(reset)) == set()
+    assert incidents.lost_nodes(build(reset, lost)) == {"n1"}
