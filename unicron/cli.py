@@ -420,6 +420,7 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
                     [
                         n.node_id,
                         node_state_name(n.state),
+                        ago(n.state_since.ToNanoseconds()).removesuffix(" ago") if n.HasField("state_since") else "-",
                         f"{n.used_slots}/{n.slots}",
                         n.address,
                         n.failure_domain or "-",
@@ -427,7 +428,7 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
                     ]
                     for n in nodes
                 ]
-                table(rows, ["NODE", "STATE", "SLOTS USED", "ADDRESS", "DOMAIN", "HEARTBEAT"], out)
+                table(rows, ["NODE", "STATE", "FOR", "SLOTS USED", "ADDRESS", "DOMAIN", "HEARTBEAT"], out)
             return 0
     raise AssertionError(args.command)
 

@@ -262,6 +262,10 @@ class Coordinator:
             node.registered.CopyFrom(previous.registered)
         else:
             node.registered.FromNanoseconds(int(now * 1e9))
+        if previous is not None and previous.state == common_pb2.NODE_STATE_READY:
+            node.state_since.CopyFrom(previous.state_since)
+        else:
+            node.state_since.FromNanoseconds(int(now * 1e9))
         node.last_heartbeat.FromNanoseconds(int(now * 1e9))
         last_command = self.store.put_node(node, now)
         with self._beats_lock:  # registering is a heartbeat: an older one heard before must not count
@@ -698,17 +702,62 @@ class Coordinator:
         that arrives just after its peers' connection resets turns their reattempt into a
         restart, instead of racing it)."""
         with self._incidents_lock:
+            job = None
             if create and report.job_id:
                 # Read under the lock: a remedy decided meanwhile may have replaced the
                 # report's generation. Late evidence about a generation that is over, or a
                 # job that ended, still joins its open incident; it never opens a new one.
                 job = self.store.get_job(report.job_id)
                 create = job.assignment.generation == report.generation and not state.is_terminal(job.state)
-            return self._record_one(report, create)
+            return self._record_one(report, create, job)
 
-    def _record_one(self, report: common_pb2.FailureReport, create: bool) -> common_pb2.Incident | None:
+    def _record_one(
+        self, report: common_pb2.FailureReport, create: bool, job: common_pb2.Job | None
+    ) -> common_pb2.Incident | None:
+        """`job`: the report's job as read under the incidents lock, if it was (remedies
+        change only under that lock; a write racing this one is refused by its own CAS)."""
         now = self.clock()
-        key = incidents.incident_key(report)
+        try:
+            incident, created = self.store.upsert_incident(
+                incidents.incident_key(report), self._merge_report(report, now, create)
+            )
+        except _NoOpenIncident:
+            return None
+        self._announce(incident, created, report)
+        if created and incident.job_id:
+            job = job or self.store.get_job(incident.job_id)
+            failure = event(job, EventType.JOB_EVENT_TYPE_FAILURE, now, incident.summary, failure_kind=incident.kind)
+            failure.incident_id = incident.incident_id
+            self.store.append_event(job.job_id, failure)
+        if incident.kind == common_pb2.FAILURE_KIND_STRAGGLER:
+            return incident  # a performance report: the planner may route around it, nothing to heal
+        if (
+            incident.job_id
+            and incident.remedy == common_pb2.REMEDY_UNSPECIFIED
+            and incidents.holds(incident.kind)
+            and not incidents.accounts_for_all(
+                incident, (job or self.store.get_job(incident.job_id)).assignment.world_size
+            )
+        ):
+            # A network error is often how a peer's death looks from outside, and a death
+            # is best answered once the peers said they wait (then only the dead rank
+            # restarts): until every rank is accounted for, decide after a short hold
+            # (the reconcile loop).
+            if created:
+                threading.Timer(incidents.DECISION_HOLD_S, self._wake.set).start()
+            return incident
+        if created or (incident.job_id and incident.remedy == common_pb2.REMEDY_UNSPECIFIED):
+            self._respond(incident, job)
+        elif incident.remedy == common_pb2.REMEDY_REATTEMPT and incidents.needs_heavier_remedy(incident):
+            # Later evidence (a rank's exit) shows the reattempt cannot work: decide again.
+            self._respond(incident, job)
+        return incident
+
+    def _merge_report(
+        self, report: common_pb2.FailureReport, now: float, create: bool = True
+    ) -> Callable[[common_pb2.Incident | None], common_pb2.Incident]:
+        """The store's update of the incident open under the report's key: the report joins
+        it, or opens a new one (unless not `create`: _NoOpenIncident)."""
 
         def update(current: common_pb2.Incident | None) -> common_pb2.Incident:
             open_incident = current if current is not None and incidents.is_open(current, now, report) else None
@@ -719,10 +768,10 @@ class Coordinator:
                 merged.traceparent = trace.new_incident_context()
             return merged
 
-        try:
-            incident, created = self.store.upsert_incident(key, update)
-        except _NoOpenIncident:
-            return None
+        return update
+
+    def _announce(self, incident: common_pb2.Incident, created: bool, report: common_pb2.FailureReport) -> None:
+        """The log line of a report, and a new incident's detection span."""
         log.warning(
             "failure reported",
             extra={
@@ -733,14 +782,7 @@ class Coordinator:
                 "node_id": report.node_id,
             },
         )
-        if created and incident.job_id:
-            job = self.store.get_job(incident.job_id)
-            failure = event(job, EventType.JOB_EVENT_TYPE_FAILURE, now, incident.summary, failure_kind=incident.kind)
-            failure.incident_id = incident.incident_id
-            self.store.append_event(job.job_id, failure)
-        if incident.kind == common_pb2.FAILURE_KIND_STRAGGLER:
-            return incident  # a performance report: the planner may route around it, nothing to heal
-        if created:
+        if created and incident.kind != common_pb2.FAILURE_KIND_STRAGGLER:
             trace.record_span(
                 incident.traceparent,
                 trace.DETECT,
@@ -753,25 +795,19 @@ class Coordinator:
                     trace.ATTR_DETECTION_SOURCE: common_pb2.DetectionSource.Name(report.source),
                 },
             )
-        if (
-            incident.job_id
-            and incident.remedy == common_pb2.REMEDY_UNSPECIFIED
-            and incidents.holds(incident.kind)
-            and not incidents.accounts_for_all(incident, self.store.get_job(incident.job_id).assignment.world_size)
-        ):
-            # A network error is often how a peer's death looks from outside, and a death
-            # is best answered once the peers said they wait (then only the dead rank
-            # restarts): until every rank is accounted for, decide after a short hold
-            # (the reconcile loop).
-            if created:
-                threading.Timer(incidents.DECISION_HOLD_S, self._wake.set).start()
-            return incident
-        if created or (incident.job_id and incident.remedy == common_pb2.REMEDY_UNSPECIFIED):
-            self._respond(incident)
-        elif incident.remedy == common_pb2.REMEDY_REATTEMPT and incidents.needs_heavier_remedy(incident):
-            # Later evidence (a rank's exit) shows the reattempt cannot work: decide again.
-            self._respond(incident)
-        return incident
+
+    def _record_node_losses(self, nodes: list[common_pb2.Node]) -> None:
+        """The nodes' own incidents of their loss, in one write (a rack is a hundred nodes).
+        No remedy waits for them: their jobs' incidents were recorded and answered already."""
+        if not nodes:
+            return
+        now = self.clock()
+        reports = [self._node_lost_report(node, "", 0) for node in nodes]
+        updates = {incidents.incident_key(report): self._merge_report(report, now) for report in reports}
+        with self._incidents_lock:
+            recorded = self.store.upsert_incidents(updates)
+        for (incident, created), report in zip(recorded, reports, strict=True):
+            self._announce(incident, created, report)
 
     def _decide_held(self, now: float) -> None:
         """Responds to the network-error incidents whose hold is over (also after a restart
@@ -791,16 +827,17 @@ class Coordinator:
 
     # ---- the self-healing ladder ------------------------------------------------------
 
-    def _respond(self, incident: common_pb2.Incident) -> None:
-        """Picks the incident's remedy by the ladder and starts it."""
+    def _respond(self, incident: common_pb2.Incident, job: common_pb2.Job | None = None) -> None:
+        """Picks the incident's remedy by the ladder and starts it (`job`: as `_record_one`
+        read it, else read here)."""
         if not incident.job_id:
             if incident.severity == common_pb2.SEVERITY_SEV1 and incident.kind != common_pb2.FAILURE_KIND_NODE_LOST:
                 self._isolate(incident)
             return
-        job = self.store.get_job(incident.job_id)
+        job = job or self.store.get_job(incident.job_id)
         if job.state not in state.ACTIVE or job.assignment.generation != incident.generation:
             return
-        ready = {n.node_id for n in self.store.list_nodes() if n.state == common_pb2.NODE_STATE_READY}
+        ready = {node_id for node_id, st in self.store.node_states().items() if st == common_pb2.NODE_STATE_READY}
         decision = ladder.choose(
             incident.kind,
             job.remedies,
@@ -845,6 +882,7 @@ class Coordinator:
                 assignment = common_pb2.Assignment()
                 assignment.CopyFrom(job.assignment)
                 assignment.generation += 1
+                assignment.assigned.FromNanoseconds(int(now * 1e9))
                 assignment.master_port = self._rendezvous_port(assignment.master_addr, job.assignment.master_port)
                 attempt.generation = assignment.generation
                 same = {r: r for w in job.assignment.workers for r in w.ranks}
@@ -947,7 +985,7 @@ class Coordinator:
         job with ranks there, unless it is already lost."""
         node_id = incident.node_id
         if not node_id or not self.store.set_node_state(
-            node_id, common_pb2.NODE_STATE_ISOLATED, expected=common_pb2.NODE_STATE_READY
+            node_id, common_pb2.NODE_STATE_ISOLATED, expected=common_pb2.NODE_STATE_READY, now=self.clock()
         ):
             return
         log.warning("node isolated", extra={"node_id": node_id, "incident": incident.incident_id})
@@ -1012,7 +1050,7 @@ class Coordinator:
         newly_lost = [
             by_id[node_id]
             for node_id in self.store.set_node_states(
-                lost, common_pb2.NODE_STATE_LOST, expected=common_pb2.NODE_STATE_READY
+                lost, common_pb2.NODE_STATE_LOST, expected=common_pb2.NODE_STATE_READY, now=now
             )
         ]
         with self._beats_lock:
@@ -1026,8 +1064,7 @@ class Coordinator:
         try:
             self._reconcile_jobs(now)
         finally:
-            for node in newly_lost:
-                self._record(self._node_lost_report(node, "", 0))
+            self._record_node_losses(newly_lost)
 
     def _reconcile_jobs(self, now: float) -> None:
         self._decide_held(now)
@@ -1072,8 +1109,9 @@ class Coordinator:
         self._wake.set()
 
     def _unreachable(self) -> frozenset[str]:
-        nodes = self.store.list_nodes()
-        return frozenset(n.node_id for n in nodes if n.state == common_pb2.NODE_STATE_LOST)
+        return frozenset(
+            node_id for node_id, st in self.store.node_states().items() if st == common_pb2.NODE_STATE_LOST
+        )
 
     def _jobs_lost_node(self, node: common_pb2.Node, jobs: list[common_pb2.Job]) -> None:
         """The incidents of the jobs of a node just marked LOST. `jobs` says where its
@@ -1309,6 +1347,7 @@ class Coordinator:
         if nodes is None:
             nodes = {node.node_id: node for node in self._list_nodes()}
         assignment = decide.assignment_for(job.spec, slots, nodes, job.assignment.generation + 1)
+        assignment.assigned.FromNanoseconds(int(self.clock() * 1e9))
         assignment.master_port = self._rendezvous_port(assignment.master_addr, job.assignment.master_port)
         return assignment
 

@@ -134,13 +134,21 @@ class JobWrite:
     commands: list[tuple[str, node_service_pb2.NodeCommand]] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class _NodeCache:
+    """The node records as read at one NODES_VERSION."""
+
+    version: bytes | None
+    records: list[bytes]
+    states: dict[str, common_pb2.NodeState]
+
+
 class Store:
     def __init__(self, client: redis.Redis, *, lease: Fence | None = None) -> None:
         # Any: redis-py types every sync reply as `Awaitable | Any`, which helps no one here.
         self._redis: Any = client
         self._lease = lease
-        # (NODES_VERSION, [(node id, record)]) as last read
-        self._node_records: tuple[bytes | None, list[tuple[str, bytes]]] | None = None
+        self._nodes: _NodeCache | None = None
 
     def _watch(self, pipe: Any, *keys: str) -> None:
         """WATCHes keys and, when fenced, the lease's fencing counter, then checks the lease
@@ -311,33 +319,52 @@ class Store:
     ) -> tuple[common_pb2.Incident, bool]:
         """Compare-and-set on the incident open under `key`: update(None) creates one,
         update(existing) extends it. Returns the stored incident and whether it is new."""
-        pointer = f"{PREFIX}incidentkey:{key}"
+        return self.upsert_incidents({key: update})[0]
+
+    @redis_errors
+    def upsert_incidents(
+        self, updates: Mapping[str, Callable[[common_pb2.Incident | None], common_pb2.Incident]]
+    ) -> list[tuple[common_pb2.Incident, bool]]:
+        """`upsert_incident` for many keys in one transaction (a rack that vanished opens a
+        hundred node incidents: one append-only-file sync, a handful of round trips). Results
+        in the order of `updates`."""
+        keys = list(updates)
+        if not keys:
+            return []
+        pointers = [f"{PREFIX}incidentkey:{key}" for key in keys]
         for _ in range(CAS_ATTEMPTS):
             with self._redis.pipeline() as pipe:
                 try:
-                    self._watch(pipe, pointer)
-                    incident_id = pipe.get(pointer)
-                    current = None
-                    if incident_id is not None:
+                    self._watch(pipe, *pointers)
+                    ids = [raw.decode() if raw is not None else None for raw in pipe.mget(pointers)]
+                    records = [_incident_key(i) for i in ids if i is not None]
+                    current: dict[str, common_pb2.Incident] = {}
+                    if records:
                         # Edits by id (update_incident) write the record, not the pointer.
-                        pipe.watch(_incident_key(incident_id.decode()))
-                        raw = pipe.get(_incident_key(incident_id.decode()))
-                        current = common_pb2.Incident.FromString(raw) if raw is not None else None
-                    incident = update(current)
-                    created = current is None or current.incident_id != incident.incident_id
+                        pipe.watch(*records)
+                        for raw in pipe.mget(records):
+                            if raw is not None:
+                                incident = common_pb2.Incident.FromString(raw)
+                                current[incident.incident_id] = incident
+                    results = []
+                    for key, incident_id in zip(keys, ids, strict=True):
+                        existing = current.get(incident_id) if incident_id is not None else None
+                        incident = updates[key](existing)
+                        results.append((incident, existing is None or existing.incident_id != incident.incident_id))
                     pipe.multi()
-                    pipe.set(_incident_key(incident.incident_id), incident.SerializeToString())
-                    if created:
-                        pipe.set(pointer, incident.incident_id)
-                        score = incident.detected.ToNanoseconds()
-                        pipe.zadd(INCIDENTS_INDEX, {incident.incident_id: score})
-                        if incident.job_id:
-                            pipe.zadd(_job_incidents_key(incident.job_id), {incident.incident_id: score})
+                    for pointer, (incident, created) in zip(pointers, results, strict=True):
+                        pipe.set(_incident_key(incident.incident_id), incident.SerializeToString())
+                        if created:
+                            pipe.set(pointer, incident.incident_id)
+                            score = incident.detected.ToNanoseconds()
+                            pipe.zadd(INCIDENTS_INDEX, {incident.incident_id: score})
+                            if incident.job_id:
+                                pipe.zadd(_job_incidents_key(incident.job_id), {incident.incident_id: score})
                     pipe.execute()
-                    return incident, created
+                    return results
                 except redis.WatchError:
                     continue
-        raise Conflict(f"incident {key}: too many concurrent updates")
+        raise Conflict(f"incidents {', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''}: too many concurrent updates")
 
     @redis_errors
     def update_incident(
@@ -401,13 +428,23 @@ class Store:
         """Every node's record (its last heartbeat is apart: `heartbeats`). The records are
         read again only when one was written since the last read (NODES_VERSION): the
         coordinator lists a thousand nodes several times a second, and they rarely change."""
+        return [common_pb2.Node.FromString(raw) for raw in self._node_cache().records]
+
+    @redis_errors
+    def node_states(self) -> dict[str, common_pb2.NodeState]:
+        """Every node's state, from the same cache as `list_nodes` without parsing a thousand
+        records again: what a remedy's decision needs to know about the nodes."""
+        return dict(self._node_cache().states)
+
+    def _node_cache(self) -> _NodeCache:
         version = self._redis.get(NODES_VERSION)
-        cached = self._node_records
-        if cached is None or cached[0] != version:
+        cached = self._nodes
+        if cached is None or cached.version != version:
             ids = sorted(raw.decode() for raw in self._redis.smembers(NODES_INDEX))
-            raws = self._redis.mget([_node_key(i) for i in ids]) if ids else []
-            cached = self._node_records = (version, [(i, raw) for i, raw in zip(ids, raws, strict=True) if raw])
-        return [common_pb2.Node.FromString(raw) for _, raw in cached[1]]
+            raws = [raw for raw in (self._redis.mget([_node_key(i) for i in ids]) if ids else []) if raw]
+            nodes = [common_pb2.Node.FromString(raw) for raw in raws]
+            cached = self._nodes = _NodeCache(version, raws, {node.node_id: node.state for node in nodes})
+        return cached
 
     @redis_errors
     def heartbeats(self, node_ids: Sequence[str]) -> dict[str, float]:
@@ -426,12 +463,12 @@ class Store:
         if beats:
             self._redis.mset({_heartbeat_key(node_id): repr(at) for node_id, at in beats.items()})
 
-    def set_node_state(self, node_id: str, state: int, expected: int) -> bool:
+    def set_node_state(self, node_id: str, state: int, expected: int, now: float) -> bool:
         """Compare-and-set of a node's state; False if it was not `expected` any more."""
-        return node_id in self.set_node_states([node_id], state, expected)
+        return node_id in self.set_node_states([node_id], state, expected, now)
 
     @redis_errors
-    def set_node_states(self, node_ids: Sequence[str], state: int, expected: int) -> list[str]:
+    def set_node_states(self, node_ids: Sequence[str], state: int, expected: int, now: float) -> list[str]:
         """Compare-and-set of many nodes' state in one transaction (one append-only-file sync
         for a rack that vanished, not one per node); returns the nodes that were `expected`
         and now are `state`. A node written meanwhile is read again, so a race is lost only
@@ -448,6 +485,7 @@ class Store:
                         node = common_pb2.Node.FromString(raw) if raw is not None else None
                         if node is not None and node.state == expected:
                             node.state = state  # type: ignore[assignment]
+                            node.state_since.FromNanoseconds(int(now * 1e9))
                             changed.append((node_id, node))
                     if not changed:
                         return []

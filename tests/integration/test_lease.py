@@ -136,7 +136,7 @@ def test_the_leader_writes_as_before(redis_client: redis.Redis) -> None:
     assert store.update_job(job.job_id, bump).version == 2
     node = common_pb2.Node(node_id="node-a", address="127.0.0.1:1", slots=2, state=common_pb2.NODE_STATE_READY)
     store.put_node(node, time.time())
-    assert store.set_node_state("node-a", common_pb2.NODE_STATE_LOST, expected=common_pb2.NODE_STATE_READY)
+    assert store.set_node_state("node-a", common_pb2.NODE_STATE_LOST, expected=common_pb2.NODE_STATE_READY, now=1.0)
     assert store.append_command("node-a", node_service_pb2.NodeCommand()) != ""
     incident = common_pb2.Incident(incident_id="inc-1", job_id=job.job_id)
     assert store.upsert_incident("k", lambda _: incident) == (incident, True)
@@ -149,9 +149,10 @@ WRITES: dict[str, FencedWrite] = {
     "create_job": lambda s: s.create_job(*new_job("second")),
     "update_job": lambda s: s.update_job("job-first", bump),
     "set_node_state": lambda s: s.set_node_state(
-        "node-a", common_pb2.NODE_STATE_LOST, expected=common_pb2.NODE_STATE_READY
+        "node-a", common_pb2.NODE_STATE_LOST, expected=common_pb2.NODE_STATE_READY, now=1.0
     ),
     "upsert_incident": lambda s: s.upsert_incident("k", lambda _: common_pb2.Incident(incident_id="inc-1")),
+    "upsert_incidents": lambda s: s.upsert_incidents({"k": lambda _: common_pb2.Incident(incident_id="inc-1")}),
     "update_incident": lambda s: s.update_incident("inc-1", lambda current: None),
     "append_command": lambda s: s.append_command("node-a", node_service_pb2.NodeCommand()),
 }

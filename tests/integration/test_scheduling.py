@@ -245,6 +245,11 @@ def test_silent_node_is_lost_and_its_job_is_replanned(control_plane: ControlPlan
         after = client.get(job.job_id)
         (incident,) = client.incidents(job.job_id)
     assert states == {alive: common_pb2.NODE_STATE_READY, lost: common_pb2.NODE_STATE_LOST}
+    # When each happened, by the coordinator's clock: the node's loss, the job's new placement.
+    with control_plane.client() as client:
+        since = {n.node_id: n.state_since.ToNanoseconds() / 1e9 for n in client.nodes()}
+    assert since == {alive: clock.now - 4.0, lost: clock.now}
+    assert after.assignment.assigned.ToNanoseconds() / 1e9 == clock.now
     assert after.state == common_pb2.JOB_STATE_RECOVERING
     assert [w.node_id for w in after.assignment.workers] == [alive]
     assert after.remedies[0].remedy == common_pb2.REMEDY_RECONFIGURE

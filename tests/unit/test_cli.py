@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -44,6 +45,7 @@ class FakeClient:
 
     cluster_reply = job_service_pb2.GetClusterResponse()
     incidents_reply: list[common_pb2.Incident] = []
+    nodes_reply: list[common_pb2.Node] = []
 
     def __init__(self, address: str) -> None:
         self.address = address
@@ -59,6 +61,9 @@ class FakeClient:
 
     def incidents(self, job_id: str = "") -> list[common_pb2.Incident]:
         return self.incidents_reply
+
+    def nodes(self) -> list[common_pb2.Node]:
+        return self.nodes_reply
 
 
 def fake(monkeypatch: pytest.MonkeyPatch, **replies: object) -> None:
@@ -211,3 +216,18 @@ def test_get_shows_worker_states_and_remedies() -> None:
     text = out.getvalue()
     assert "placement  n1: ranks 0, 1 (running, generation 2)" in text
     assert "restart     inc-1  resumed after 3.5s: process_exit calls for restart process" in text
+
+
+def test_nodes_say_how_long_each_is_in_its_state(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lost = common_pb2.Node(node_id="n2", address="h:2", slots=2, state=common_pb2.NODE_STATE_LOST)
+    lost.state_since.FromNanoseconds(int((time.time() - 90) * 1e9))
+    fresh = common_pb2.Node(node_id="n1", address="h:1", slots=2, used_slots=1, state=common_pb2.NODE_STATE_READY)
+    fake(monkeypatch, nodes_reply=[fresh, lost])
+    code, out, _ = run(capsys, "nodes")
+    assert code == 0
+    header, first, second = (line.split() for line in out.splitlines())
+    assert header == ["NODE", "STATE", "FOR", "SLOTS", "USED", "ADDRESS", "DOMAIN", "HEARTBEAT"]
+    assert first[:4] == ["n1", "ready", "-", "1/2"]
+    assert second[:4] == ["n2", "lost", "1m", "0/2"]
