@@ -1,7 +1,8 @@
 """Simulated agents for `make bench-load`: one process runs hundreds of them on asyncio.
 
 Each one speaks the real agent protocol to the real coordinator: it registers, heartbeats on
-the interval the coordinator asks for, holds its command stream open, acknowledges every
+the interval the coordinator asks for (on its heartbeat stream, as the agent does; a beat's
+latency is from its write to its answer), holds its command stream open, acknowledges every
 command, and for the ranks it is given reports an iteration every second, batched per node as
 a real agent does. Only the trainers are missing: they would load the CPU this bench measures.
 
@@ -105,18 +106,26 @@ class SimAgent:
         loop = asyncio.get_running_loop()
         next_at = loop.time()
         while True:
-            sent, started = time.time(), time.perf_counter()
+            # One stream per agent, a beat and its answer per interval, as the real agent.
+            call = self.stub.StreamHeartbeats(metadata=self.metadata)
             try:
-                reply = await self.stub.Heartbeat(
-                    nodes_pb.HeartbeatRequest(node_id=self.node_id), timeout=CALL_TIMEOUT_S, metadata=self.metadata
-                )
-                self.stats.heartbeats.append((sent, (time.perf_counter() - started) * 1000))
-                if not reply.known:
-                    self.stats.unknown_heartbeats += 1
+                while True:
+                    sent, started = time.time(), time.perf_counter()
+                    await call.write(nodes_pb.StreamHeartbeatsRequest(node_id=self.node_id))
+                    reply = await call.read()
+                    if reply is grpc.aio.EOF:
+                        break
+                    self.stats.heartbeats.append((sent, (time.perf_counter() - started) * 1000))
+                    if not reply.known:
+                        self.stats.unknown_heartbeats += 1
+                    next_at += self.interval_s
+                    await asyncio.sleep(max(0.0, next_at - loop.time()))
             except grpc.RpcError as exc:
                 self.stats.error("heartbeat", exc)
-            next_at += self.interval_s
-            await asyncio.sleep(max(0.0, next_at - loop.time()))
+            finally:
+                call.cancel()
+            await asyncio.sleep(RETRY_S)
+            next_at = loop.time()
 
     async def _commands(self) -> None:
         while True:

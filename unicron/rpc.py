@@ -57,8 +57,9 @@ CHANNEL_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 5000),
 ]
 # Open streams an asyncio server admits in all (Limits.max_streams overrides): each holds
-# memory and a connection's share, not a thread.
-ASYNC_MAX_STREAMS = 4096
+# memory and a connection's share, not a thread. Each node's agent holds two on the
+# coordinator (its commands, its heartbeats): room for four thousand nodes.
+ASYNC_MAX_STREAMS = 8192
 SERVER_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),

@@ -575,6 +575,16 @@ class _Admission:
         _caller.set(principal)
         return principal
 
+    def admit_message(self, method: str, rule: Rule | None, principal: Principal, request: Any, context: Any) -> None:
+        """A later message of an admitted client stream: the policy for what it names (a node
+        certificate speaks for its own node in every message), and the caller's rate."""
+        try:
+            authorize(principal, rule, method, request)
+            if principal.kind != Kind.SERVICE and not self._rates.allow(self.key(principal, context, rule, request)):
+                raise ResourceExhausted(f"rate limit: more than {self.limits.rate_per_s:g} messages per second")
+        except (PermissionDenied, ResourceExhausted) as exc:
+            raise self.refuse(context, method, principal, exc) from None
+
     def open_stream(self, method: str, rule: Rule | None, principal: Principal, request: Any, context: Any) -> str:
         """Counts the stream against its caller; returns the key to release it with."""
         key = self.key(principal, context, rule, request)
@@ -686,8 +696,9 @@ class Guard(grpc.ServerInterceptor):
 
 
 class AsyncGuard(grpc.aio.ServerInterceptor):
-    """The Guard of an asyncio server, whose servicers are coroutines. Streams there hold
-    no thread, so their cap is a bound on memory and file handles, not on threads."""
+    """The Guard of an asyncio server, whose servicers are coroutines (unary calls, server
+    streams, bidirectional streams). Streams there hold no thread, so their cap is a bound
+    on memory and file handles, not on threads."""
 
     def __init__(self, security: ServerSecurity, max_streams: int) -> None:
         self._admission = _Admission(security, max_streams)
@@ -716,8 +727,12 @@ class AsyncGuard(grpc.aio.ServerInterceptor):
                 return await behavior(request, context)
 
             return grpc.unary_unary_rpc_method_handler(unary_unary, deserialize, handler.response_serializer)
+        if handler.stream_stream is not None:
+            return grpc.stream_stream_rpc_method_handler(
+                self._bidi(method, rule, handler.stream_stream), deserialize, handler.response_serializer
+            )
         if handler.unary_stream is None:
-            raise NotImplementedError(f"{method}: an asyncio server here serves unary calls and server streams only")
+            raise NotImplementedError(f"{method}: an asyncio server here serves no client-streaming calls")
         server_stream = handler.unary_stream
 
         async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
@@ -734,6 +749,43 @@ class AsyncGuard(grpc.aio.ServerInterceptor):
                 admission.streams.release(key)
 
         return grpc.unary_stream_rpc_method_handler(unary_stream, deserialize, handler.response_serializer)
+
+    def _bidi(
+        self, method: str, rule: Rule | None, behavior: Callable[[AsyncIterator[Any], Any], AsyncIterator[Any]]
+    ) -> Callable[[AsyncIterator[Any], grpc.aio.ServicerContext], AsyncIterator[Any]]:
+        """A bidirectional stream is admitted on its first message, which names whom it speaks
+        for (a join-token agent's budget is its node's, as for its unary calls); each later
+        message is checked against the policy and the caller's rate."""
+        admission = self._admission
+
+        async def stream_stream(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            first = await anext(requests, None)
+            if first is None:
+                return  # closed before saying anything
+            try:
+                _decoded(first)
+                principal = admission.admit(method, rule, first, context, unary=False)
+                key = admission.open_stream(method, rule, principal, first, context)
+            except Refusal as refusal:
+                await context.abort(refusal.code, refusal.details)
+
+            async def admitted() -> AsyncIterator[Any]:
+                yield first
+                async for request in requests:
+                    try:
+                        _decoded(request)
+                        admission.admit_message(method, rule, principal, request, context)
+                    except Refusal as refusal:
+                        await context.abort(refusal.code, refusal.details)
+                    yield request
+
+            try:
+                async for reply in behavior(admitted(), context):
+                    yield reply
+            finally:
+                admission.streams.release(key)
+
+        return stream_stream
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -272,17 +272,43 @@ class Agent:
     # ---- loops ------------------------------------------------------------------------
 
     def _heartbeat_loop(self) -> None:
+        delays = Backoff(0.1, 2.0).delays()
         while not self._stop.is_set():
             try:
                 if not self._registered.is_set():
                     self._register()
-                reply = self._stub.Heartbeat(pb.HeartbeatRequest(node_id=self.settings.node_id), timeout=RPC_TIMEOUT_S)
+                if self._heartbeat_stream():
+                    delays = Backoff(0.1, 2.0).delays()
+                if not self._registered.is_set():
+                    continue  # the coordinator asked for a new registration: at once
+            except (grpc.RpcError, _Retryable) as exc:
+                if not self._stop.is_set():
+                    log.warning("heartbeats interrupted, reconnecting", extra={"error": str(exc)[:200]})
+            self._stop.wait(next(delays))
+
+    def _heartbeat_stream(self) -> bool:
+        """Heartbeats on one stream (StreamHeartbeats) until the coordinator asks the node to
+        register again or the agent stops; raises when the stream breaks. Whether any beat
+        was answered. The beats go out on time whatever the answers take."""
+        done = threading.Event()
+
+        def beats() -> Iterator[pb.StreamHeartbeatsRequest]:
+            while not (self._stop.is_set() or done.is_set()):
+                yield pb.StreamHeartbeatsRequest(node_id=self.settings.node_id)
+                done.wait(self._heartbeat_s)
+
+        replies = self._stub.StreamHeartbeats(beats())
+        answered = False
+        try:
+            for reply in replies:
+                answered = True
                 if not reply.known:
                     self._registered.clear()
-                    continue
-            except (grpc.RpcError, _Retryable) as exc:
-                log.warning("heartbeat failed", extra={"error": str(exc)[:200]})
-            self._stop.wait(self._heartbeat_s)
+                    break
+        finally:
+            done.set()
+            replies.cancel()
+        return answered
 
     def _command_loop(self) -> None:
         delays = Backoff(0.1, 2.0).delays()

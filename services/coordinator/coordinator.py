@@ -40,6 +40,9 @@ EventType = common_pb2.JobEventType
 
 # How often incidents are charged for their jobs' sub-healthy running.
 SUB_HEALTHY_PERIOD_S = 5.0
+# A READY node whose last heartbeat is older than this many intervals takes no new ranks
+# (half an interval later than any healthy node's beat can be).
+QUIET_AFTER_INTERVALS = 1.5
 
 # An agent batches its trainers' reports every 0.2 s; this leaves room for bursts.
 REPORTS_PER_NODE_PER_S = 100.0
@@ -1186,8 +1189,11 @@ class Coordinator:
         plan changed. A planner that is down or finds no plan leaves everything as it is
         and is asked again after a backoff."""
         hit = decide.hit_jobs(jobs, nodes)
+        quiet = decide.lost_nodes(
+            now, nodes, QUIET_AFTER_INTERVALS * self.settings.heartbeat_interval_s, self._started_at
+        )
         request = decide.plan_request(
-            jobs, nodes, self.settings.failure_rate_per_node_per_s, self.settings.plan_time_limit_s, hit
+            jobs, nodes, self.settings.failure_rate_per_node_per_s, self.settings.plan_time_limit_s, hit, quiet
         )
         if not request.jobs or not any(node.healthy for node in request.nodes):
             self._replan_reason = ""

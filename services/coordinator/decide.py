@@ -73,11 +73,17 @@ def plan_request(
     failure_rate_per_node_per_s: float,
     time_limit_s: float,
     hit: Iterable[str] = (),
+    quiet: Iterable[str] = (),
 ) -> planner_service_pb2.PlanRequest:
     """The planner's view of the whole cluster: every active job may be resized or moved
     (what that costs is in its transition estimate, so jobs left alone stay where they
-    are), pending ones may be placed or left waiting, `hit` jobs must change."""
-    hit = set(hit)
+    are), pending ones may be placed or left waiting, `hit` jobs must change.
+
+    A `quiet` node (READY, but its heartbeats are late) keeps the ranks it has and takes no
+    new ones: when a rack vanishes its nodes are declared lost over a second or so, and a
+    job moved off the first of them must not land on the next."""
+    hit, quiet = set(hit), set(quiet)
+    used = used_slots(jobs) if quiet else {}
     request = planner_service_pb2.PlanRequest(
         failure_rate_per_node_per_second=failure_rate_per_node_per_s,
         time_limit_seconds=time_limit_s,
@@ -85,7 +91,7 @@ def plan_request(
     for node in nodes:
         request.nodes.add(
             node_id=node.node_id,
-            slots=node.slots,
+            slots=min(node.slots, used.get(node.node_id, 0)) if node.node_id in quiet else node.slots,
             healthy=node.state == common_pb2.NODE_STATE_READY,
             failure_domain=node.failure_domain,
         )

@@ -126,6 +126,16 @@ class NodeServicer(node_service_pb2_grpc.NodeServiceServicer):
         return nodes_pb.HeartbeatResponse(known=known)
 
     @grpc_errors
+    async def StreamHeartbeats(
+        self, requests: AsyncIterator[nodes_pb.StreamHeartbeatsRequest], context: Context
+    ) -> AsyncIterator[nodes_pb.StreamHeartbeatsResponse]:
+        async for request in requests:
+            known = self._coordinator.heartbeat_if_seen(request.node_id) or await to_thread(
+                self._coordinator.heartbeat, request.node_id
+            )
+            yield nodes_pb.StreamHeartbeatsResponse(known=known)
+
+    @grpc_errors
     async def ReportProgress(
         self, request: nodes_pb.ReportProgressRequest, context: Context
     ) -> nodes_pb.ReportProgressResponse:

@@ -52,6 +52,7 @@ SEEDS: dict[str, list[Message]] = {
     JOBS + "GetCluster": [J.GetClusterRequest()],
     NODES + "RegisterNode": [N.RegisterNodeRequest(node_id="n3", address="127.0.0.1:7003", slots=2)],
     NODES + "Heartbeat": [N.HeartbeatRequest(node_id=token("node"))],
+    NODES + "StreamHeartbeats": [N.StreamHeartbeatsRequest(node_id=token("node"))],
     NODES + "ReportProgress": [N.ReportProgressRequest(node_id=token("node"), reports=[_report(), _report(rank=1)])],
     NODES + "ReportFailure": [
         N.ReportFailureRequest(
@@ -193,6 +194,8 @@ ADVERSARIAL: list[tuple[str, Message]] = [
     (NODES + "RegisterNode", N.RegisterNodeRequest(node_id="n1:commands", address="127.0.0.1:1", slots=1)),
     (NODES + "RegisterNode", N.RegisterNodeRequest(node_id="../n1", address="127.0.0.1:1", slots=1)),
     (NODES + "Heartbeat", N.HeartbeatRequest(node_id="n9")),
+    (NODES + "StreamHeartbeats", N.StreamHeartbeatsRequest(node_id="n9")),
+    (NODES + "StreamHeartbeats", N.StreamHeartbeatsRequest(node_id="")),
     (NODES + "StreamCommands", N.StreamCommandsRequest(node_id="n9")),
     (NODES + "StreamCommands", N.StreamCommandsRequest(node_id=token("node"), after_command_id="garbage")),
     (NODES + "StreamCommands", N.StreamCommandsRequest(node_id="n1:heartbeat")),

@@ -215,6 +215,28 @@ def test_a_node_certificate_speaks_only_for_its_node(plane: SecurePlane) -> None
     assert {n.node_id for n in plane.coordinator.nodes()} == {"n1", "n2"}
 
 
+def test_a_heartbeat_stream_speaks_only_for_its_node_in_every_message(plane: SecurePlane) -> None:
+    plane.register("n1")
+    n1 = plane.nodes(as_node(plane.pki, "n1"))
+
+    def beats(*nodes: str) -> tuple[list[bool], grpc.StatusCode]:
+        answers: list[bool] = []
+        requests = iter([node_service_pb2.StreamHeartbeatsRequest(node_id=n) for n in nodes])
+        try:
+            answers.extend(reply.known for reply in n1.StreamHeartbeats(requests, timeout=5))
+        except grpc.RpcError as exc:
+            return answers, exc.code()
+        return answers, grpc.StatusCode.OK
+
+    assert beats("n1", "n1") == ([True, True], grpc.StatusCode.OK)
+    assert beats("n2") == ([], grpc.StatusCode.PERMISSION_DENIED)  # refused when it opens
+    answers, code = beats("n1", "n2", "n1")  # and on any later message
+    assert code == grpc.StatusCode.PERMISSION_DENIED and answers in ([], [True])
+    anonymous = plane.nodes(ClientSecurity(leaf_tls(plane.pki, plane.pki.clients["alice"]), ""))
+    requests = iter([node_service_pb2.StreamHeartbeatsRequest(node_id="n1")])
+    assert code_of(lambda: list(anonymous.StreamHeartbeats(requests, timeout=5))) == grpc.StatusCode.UNAUTHENTICATED
+
+
 def test_a_plaintext_or_unknown_client_cannot_reach_a_tls_server(
     plane: SecurePlane, tmp_path: Path, pki: certs.DevPKI
 ) -> None:

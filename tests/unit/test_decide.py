@@ -259,3 +259,12 @@ def test_unused_rendezvous_port(jobs: list[common_pb2.Job], exclude: int, expect
 def test_no_rendezvous_port_left() -> None:
     jobs = [_rendezvous("10.0.0.1", 29500), _rendezvous("10.0.0.1", 29501)]
     assert decide.unused_rendezvous_port("10.0.0.1", jobs, ports=range(29500, 29502)) is None
+
+
+def test_a_quiet_node_keeps_its_ranks_and_takes_no_new_ones() -> None:
+    running = common_pb2.Job(job_id="r", spec=spec(), state=state.RUNNING)
+    running.assignment.workers.add(node_id="a", ranks=[0])
+    nodes = [node("a", 0), node("b", 0), node("c", 0)]
+    request = decide.plan_request([running], nodes, 1e-6, 1.0, quiet=["a", "b"])
+    assert {n.node_id: n.slots for n in request.nodes} == {"a": 1, "b": 0, "c": 4}
+    assert all(n.healthy for n in request.nodes)  # nothing must move off them yet
