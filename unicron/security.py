@@ -736,12 +736,7 @@ class AsyncGuard(grpc.aio.ServerInterceptor):
         server_stream = handler.unary_stream
 
         async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            try:
-                _decoded(request)
-                principal = admission.admit(method, rule, request, context, unary=False)
-                key = admission.open_stream(method, rule, principal, request, context)
-            except Refusal as refusal:
-                await context.abort(refusal.code, refusal.details)
+            _, key = await _open_async_stream(admission, method, rule, request, context)
             try:
                 async for reply in server_stream(request, context):
                     yield reply
@@ -762,12 +757,7 @@ class AsyncGuard(grpc.aio.ServerInterceptor):
             first = await anext(requests, None)
             if first is None:
                 return  # closed before saying anything
-            try:
-                _decoded(first)
-                principal = admission.admit(method, rule, first, context, unary=False)
-                key = admission.open_stream(method, rule, principal, first, context)
-            except Refusal as refusal:
-                await context.abort(refusal.code, refusal.details)
+            principal, key = await _open_async_stream(admission, method, rule, first, context)
 
             async def admitted() -> AsyncIterator[Any]:
                 yield first
@@ -786,6 +776,20 @@ class AsyncGuard(grpc.aio.ServerInterceptor):
                 admission.streams.release(key)
 
         return stream_stream
+
+
+async def _open_async_stream(
+    admission: _Admission, method: str, rule: Rule | None, request: Any, context: grpc.aio.ServicerContext
+) -> tuple[Principal, str]:
+    """Admits a stream on its (first) request: the caller, and the key its stream counts
+    under. A refusal aborts the call."""
+    try:
+        _decoded(request)
+        principal = admission.admit(method, rule, request, context, unary=False)
+        return principal, admission.open_stream(method, rule, principal, request, context)
+    except Refusal as refusal:
+        await context.abort(refusal.code, refusal.details)
+        raise  # abort raises; this line only tells the type checker so
 
 
 @dataclass(frozen=True)
