@@ -1276,7 +1276,9 @@ class Coordinator:
             how = change.transition or "move"
             reason = f"{how} to {assignment.world_size} ranks ({placed}) by re-plan ({why})"
             pending = _pending_remedy(job)
-            rank_map = self._reform_map(job, assignment, pending, nodes) if settings.reform_restarts else None
+            rank_map = (
+                self._reform_map(job, assignment, pending, nodes, unreachable) if settings.reform_restarts else None
+            )
             if rank_map is not None:
                 # The ranks on nodes the job keeps go on in place with their state; only the
                 # new assignment's other ranks start, and take the state from a live peer.
@@ -1318,6 +1320,7 @@ class Coordinator:
         assignment: common_pb2.Assignment,
         pending: common_pb2.RemedyAttempt | None,
         nodes: dict[str, common_pb2.Node],
+        unreachable: frozenset[str],
     ) -> dict[int, int] | None:
         """Which ranks a re-plan's move keeps in place (see decide.survivor_map and
         decide.live_map); None to restart the job the classic way."""
@@ -1341,7 +1344,6 @@ class Coordinator:
             node = nodes.get(worker.node_id)
             if node is None or node.state != common_pb2.NODE_STATE_READY or worker.node_id in lost:
                 gone.update(worker.ranks)
-        unreachable = frozenset(n for n, node in nodes.items() if node.state == common_pb2.NODE_STATE_LOST)
         return decide.survivor_map(job, assignment, waiting - gone, gone, unreachable)
 
     def _new_assignment(

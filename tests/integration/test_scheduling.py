@@ -11,9 +11,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from services.coordinator.planner_client import PlannerClient
 from tests.integration.conftest import ControlPlane, FakeClock
 from tests.integration.test_job_api import register, tiny_spec
-from unicron.errors import Unavailable
+from unicron.redisutil import free_port
 from unicron.v1 import common_pb2, node_service_pb2
 
 pytestmark = pytest.mark.integration
@@ -302,12 +303,8 @@ def test_a_reconfiguration_is_carried_out_when_the_lost_node_is_back_before_the_
     stub = control_plane.node_stub()
     lost = job.assignment.workers[0].node_id
     alive = "n1" if lost == "n2" else "n2"
-    planner = control_plane.coordinator.planner
-
-    def down(_request: object) -> object:
-        raise Unavailable("planner down for the test")
-
-    monkeypatch.setattr(planner, "plan", down)
+    # The planners out of reach for one step: a real client to a port nothing listens on.
+    monkeypatch.setattr(control_plane.coordinator, "planner", PlannerClient([f"127.0.0.1:{free_port()}"], timeout_s=2))
     clock.advance(2.0)
     assert stub.Heartbeat(node_service_pb2.HeartbeatRequest(node_id=alive), timeout=5).known
     clock.advance(2.0)
