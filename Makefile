@@ -45,7 +45,7 @@ certs: gen
 test: gen redis
 	$(PY) -m ruff check .
 	$(PY) -m mypy
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra --durations=15
 
 test-unit: gen
 	$(PY) -m pytest -q -m "not integration and not e2e"

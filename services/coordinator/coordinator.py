@@ -1203,6 +1203,7 @@ class Coordinator:
             for job in jobs
             if job.job_id in hit and (pending := _pending_remedy(job)) is not None and pending.traceparent
         ]
+        problem = ""  # why the interrupted jobs may pause, if they may
         try:
             with trace.child_span(traceparents[0] if traceparents else "", trace.PLAN) as span:
                 reply = self.planner.plan(request)
@@ -1215,6 +1216,12 @@ class Coordinator:
                         "unicron.plan.why": why,
                     }
                 )
+            if reply.status == planner_service_pb2.SOLVE_STATUS_INFEASIBLE and (
+                relaxed := decide.hit_jobs_may_pause(request)
+            ):
+                problem = reply.reason
+                log.warning("no plan keeps the interrupted jobs running; they may pause", extra={"problem": problem})
+                reply = self.planner.plan(relaxed)
         except Unavailable as exc:
             self._replan_later(why, f"planner unavailable: {exc}", now)
             return
@@ -1224,6 +1231,8 @@ class Coordinator:
             return
         self._replan_reason = ""
         self._replan_delays = None
+        if problem:
+            why = f"{why}; {problem}"
         by_id = {node.node_id: node for node in nodes}
         for change in decide.plan_changes(jobs, reply, hit):
             try:

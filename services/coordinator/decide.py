@@ -137,6 +137,20 @@ class Change:
     transition: str = ""
 
 
+def hit_jobs_may_pause(request: planner_service_pb2.PlanRequest) -> planner_service_pb2.PlanRequest | None:
+    """``request`` with its non-preemptible jobs that the failure hit made preemptible, or None
+    when it has none. For a plan when no plan keeps them all running: a job that lost the
+    slots it needs (its node isolated, no other free) waits, paused, for capacity, rather
+    than hold every other job's re-plan up while it sits in recovery with nothing running.
+    Its training state lives on in its checkpoint and snapshots. A pinned job stays pinned."""
+    relaxed = planner_service_pb2.PlanRequest()
+    relaxed.CopyFrom(request)
+    freed = [job for job in relaxed.jobs if job.hit_by_failure and not job.preemptible and not job.pinned]
+    for job in freed:
+        job.preemptible = True
+    return relaxed if freed else None
+
+
 def plan_changes(
     jobs: Sequence[common_pb2.Job], reply: planner_service_pb2.PlanResponse, hit: Iterable[str] = ()
 ) -> list[Change]:

@@ -422,13 +422,7 @@ def train(run: Run, log: logging.Logger) -> None:
         torch.cuda.set_device(config.rank % torch.cuda.device_count())
     training = spec.training
     try:
-        dist.init_process_group(
-            backend="nccl" if use_cuda else "gloo",
-            init_method=f"tcp://{config.master_addr}:{config.master_port}",
-            rank=config.rank,
-            world_size=config.world_size,
-            timeout=timedelta(seconds=config.collective_timeout_s),
-        )
+        state_from_peer = join_first_group(run, "nccl" if use_cuda else "gloo")
         # GPTTrainer enters the Megatron CPU shim (megatron_cpu.cpu_mode) around its own calls.
         trainer = GPTTrainer(
             *trainer_configs(spec),
@@ -439,8 +433,8 @@ def train(run: Run, log: logging.Logger) -> None:
         )
         if run.injector.enabled:
             trainer.grad_sync_hook = run.injector.in_grad_sync
-        log.info("model ready", extra={"rank": config.rank, "world_size": config.world_size})
-        if config.state_from_peer:
+        log.info("model ready", extra={"rank": run.rank, "world_size": run.world_size})
+        if state_from_peer:
             restored = reforming.receive_state(trainer, config.checkpoint_dir, config.snapshot_dir)
         else:
             restored = snapshots.restore_nearest(trainer, config.checkpoint_dir, config.snapshot_dir)
@@ -529,6 +523,37 @@ def train(run: Run, log: logging.Logger) -> None:
             dist.destroy_process_group()
 
 
+def join_first_group(run: Run, backend: str) -> bool:
+    """Joins the process group this process was started for, or the newer one of a reform
+    that arrives while it waits (a peer died before the group formed): then as a rank
+    without state, which it takes from its peers. Returns whether the state comes from peers."""
+    from services.trainer import reform as reforming
+
+    config = run.config
+    timeout = timedelta(seconds=config.collective_timeout_s)
+    master_addr, master_port, from_peer = config.master_addr, config.master_port, config.state_from_peer
+
+    def superseded() -> bool:
+        return poll_reform(run) is not None
+
+    while True:
+        try:
+            reforming.join(run.rank, run.world_size, master_addr, master_port, timeout, backend, superseded)
+            return from_peer
+        except reforming.Superseded:
+            reform = poll_reform(run)
+            assert reform is not None
+            run.pending_reform = None
+            logging.getLogger("trainer").warning(
+                "generation %d was replaced before its group formed; joining generation %d",
+                run.generation,
+                reform.generation,
+                extra={"incident": reform.incident_id},
+            )
+            run.generation, run.rank, run.world_size = reform.generation, reform.rank, reform.world_size
+            master_addr, master_port, from_peer = reform.master_addr or master_addr, reform.master_port, True
+
+
 def next_step(trainer: GPTTrainer, resume: PartialStep | None, log: logging.Logger) -> StepResult:
     """The next training step: the interrupted one finished from its computed gradients when
     ``resume`` fits this trainer (same iteration and data-parallel place), else a full step."""
@@ -554,8 +579,40 @@ def apply_reform(
     parked: reforming.Parked | None = None,
 ) -> GPTTrainer:
     """Moves this rank to the new process group of ``reform`` and returns its new trainer
-    (``trainer`` is closed). Raises when the new group cannot be formed: the rank then fails
+    (``trainer`` is closed). When the group cannot be formed (a peer died meanwhile), the
+    failure is handled as a failed step's: a newer reform, pending or the agent's answer to
+    the report, is joined with the state the rank had; anything else raises, the rank fails
     as after any error, and the agent restarts it."""
+    from services.trainer import reform as reforming
+
+    log = logging.getLogger("trainer")
+    while True:
+        try:
+            return _reform_once(run, trainer, reform, keep_state, parked)
+        except reforming.ReformFailed as failed:
+            newer = poll_reform(run)
+            if newer is None:
+                if after_failure(run, failed.error) is not Decision.REFORM:
+                    raise failed.error from None
+                newer = run.pending_reform
+            assert newer is not None
+            log.warning(
+                "the process group of generation %d was not formed (%s); joining generation %d",
+                reform.generation,
+                failed,
+                newer.generation,
+                extra={"incident": newer.incident_id},
+            )
+            reform, parked, keep_state = newer, failed.parked, failed.parked.snapshot is not None
+
+
+def _reform_once(
+    run: Run,
+    trainer: GPTTrainer,
+    reform: trainer_service_pb2.AgentReform,
+    keep_state: bool,
+    parked: reforming.Parked | None,
+) -> GPTTrainer:
     from services.trainer import reform as reforming
 
     log = logging.getLogger("trainer")
@@ -572,7 +629,14 @@ def apply_reform(
             "keep_state": keep_state,
         },
     )
+    # From here the rank belongs to the new generation: its errors are reported as that
+    # generation's, and only a newer reform supersedes this one.
+    run.generation, run.rank, run.world_size = reform.generation, reform.rank, reform.world_size
     started = time.monotonic()
+
+    def superseded() -> bool:
+        return poll_reform(run) is not None
+
     new, restored = reforming.reform(
         trainer,
         reform.rank,
@@ -585,10 +649,10 @@ def apply_reform(
         corrupt_transfer=config.corrupt_peer_state and run.injector.enabled,
         parked=parked,
         snapshot_dir=config.snapshot_dir,
+        superseded=superseded,
     )
     if run.injector.enabled:
         new.grad_sync_hook = run.injector.in_grad_sync
-    run.generation, run.rank, run.world_size = reform.generation, reform.rank, reform.world_size
     run.iteration = new.iteration
     run.source = (restored.source, restored.iteration)
     log.info(

@@ -18,10 +18,14 @@ directly; ``services/trainer/__main__.py`` decides when to call it.
    store host, or after a hung peer's collective timed out). Note that
    ``_abort_process_group`` does *not* interrupt a gloo collective blocked on a hung peer (it
    only forgets the group), so nothing faster than the collective timeout exists on gloo;
-3. ``join()``: ``init_process_group`` on ``tcp://master_addr:master_port`` with the new rank and
-   world size, the same backend and collective timeout, then a fresh ``GPTTrainer`` with the old
-   one's model/training configuration and TP/PP (the DP degree follows from the new world);
+3. ``join()``: the ranks meet on rank 0's store at ``master_addr:master_port`` (a wait that a
+   newer reform interrupts), then ``init_process_group`` with the new rank and world size, the
+   same backend and collective timeout, then a fresh ``GPTTrainer`` with the old one's
+   model/training configuration and TP/PP (the DP degree follows from the new world);
 4. ``exchange_state()``: every rank of the new group, with or without state, takes part.
+
+A reform that cannot form its group (a peer died meanwhile) raises ReformFailed with the
+rank's state as it was: the trainer joins the newer reform that follows with it.
 
 ``exchange_state()`` (collective over the new world; ``receive_state()`` is the call of a rank
 without state, e.g. a new process started for a grow):
@@ -61,6 +65,7 @@ import io
 import logging
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -81,10 +86,16 @@ SOURCE_LIVE = "live"
 SOURCE_PEER = "peer"
 NO_STATE = -1
 _HEADER_BYTES = 8 + 32  # payload length (little-endian uint64) + sha256 digest
+_ARRIVED_KEY = "unicron/arrived"
+_ARRIVAL_POLL_S = 0.01
 
 
 class StateError(Exception):
     """Transferred or captured state that must not be used, and why."""
+
+
+class Superseded(RuntimeError):
+    """A newer reform arrived while this one waited for its group: joining it is pointless."""
 
 
 @dataclass(frozen=True)
@@ -169,10 +180,11 @@ def teardown(trainer: GPTTrainer | None) -> str:
 
 @dataclass(frozen=True)
 class Parked:
-    """A rank that left its process group after an error: its state for the next group, and
-    what the failed step had computed (``GPTTrainer.partial_step``)."""
+    """A rank that left its process group after an error: its state for the next group (None:
+    it has none worth keeping), and what the failed step had computed
+    (``GPTTrainer.partial_step``)."""
 
-    snapshot: Snapshot
+    snapshot: Snapshot | None
     backend: str
     partial: PartialStep | None
 
@@ -186,30 +198,77 @@ def park(trainer: GPTTrainer) -> Parked:
     return Parked(snapshot, teardown(trainer), partial)
 
 
+class ReformFailed(Exception):
+    """The new group could not be formed (``error``). The rank holds no group now; ``parked``
+    is its state as it was before the reform, for a newer one."""
+
+    def __init__(self, error: BaseException, parked: Parked) -> None:
+        super().__init__(f"{type(error).__name__}: {error}")
+        self.error = error
+        self.parked = parked
+
+
 def join(
-    rank: int, world_size: int, master_addr: str, master_port: int, timeout: timedelta | float, backend: str = ""
+    rank: int,
+    world_size: int,
+    master_addr: str,
+    master_port: int,
+    timeout: timedelta | float,
+    backend: str = "",
+    superseded: Callable[[], bool] = lambda: False,
 ) -> None:
-    """``init_process_group`` of a new group (blocks until all ``world_size`` ranks arrive or
-    ``timeout`` passes)."""
+    """``init_process_group`` of a new group: waits until all ``world_size`` ranks arrive, at
+    most ``timeout``. Raises Superseded as soon as ``superseded()`` turns true on the way.
+
+    torch's own rendezvous waits for the ranks inside C++ (``init_method="tcp://..."``), where
+    nothing can interrupt it: a rank that died after the reform was sent holds the others
+    there for the whole timeout, deaf to the reform that replaces this one. So the store is
+    made here without waiting for workers, and the ranks count themselves in on it, polling;
+    once all are there, the group forms in a moment (or fails at once if one dies just then)."""
     if not isinstance(timeout, timedelta):
         timeout = timedelta(seconds=timeout)
+    deadline = time.monotonic() + timeout.total_seconds()
     if rank != 0:
-        _await_listener(master_addr, master_port, timeout.total_seconds())
+        _await_listener(master_addr, master_port, timeout.total_seconds(), superseded)
+    store = dist.TCPStore(
+        master_addr,
+        master_port,
+        world_size,
+        is_master=rank == 0,
+        timeout=timeout,
+        wait_for_workers=False,
+        multi_tenant=True,
+    )
+    store.add(_ARRIVED_KEY, 1)
+    while (arrived := store.add(_ARRIVED_KEY, 0)) < world_size:
+        if superseded():
+            raise Superseded(f"a newer reform arrived while {arrived} of {world_size} ranks had joined")
+        if time.monotonic() >= deadline:
+            raise TimeoutError(
+                f"rendezvous timed out: {arrived} of {world_size} ranks arrived at {master_addr}:{master_port}"
+                f" within {timeout.total_seconds():g}s"
+            )
+        time.sleep(_ARRIVAL_POLL_S)
     dist.init_process_group(
         backend=backend or ("nccl" if torch.cuda.is_available() else "gloo"),
-        init_method=f"tcp://{master_addr}:{master_port}",
+        store=store,
         rank=rank,
         world_size=world_size,
         timeout=timeout,
     )
 
 
-def _await_listener(host: str, port: int, timeout_s: float, poll_s: float = 0.005) -> None:
+def _await_listener(
+    host: str, port: int, timeout_s: float, superseded: Callable[[], bool] = lambda: False, poll_s: float = 0.005
+) -> None:
     """Until rank 0's rendezvous store accepts connections (or ``timeout_s`` passes): a store
     client that finds no server backs off for up to a second before it tries again, and in a
-    reform rank 0 is often the last to arrive (it was the one still tearing down)."""
+    reform rank 0 is often the last to arrive (it was the one still tearing down). Rank 0 may
+    also never come (it died meanwhile): the newer reform that follows ends the wait."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        if superseded():
+            raise Superseded(f"a newer reform arrived while waiting for the store at {host}:{port}")
         try:
             with socket.create_connection((host, port), timeout=0.5):
                 return
@@ -243,17 +302,21 @@ def reform(
     corrupt_transfer: bool = False,
     parked: Parked | None = None,
     snapshot_dir: str = "",
+    superseded: Callable[[], bool] = lambda: False,
 ) -> tuple[GPTTrainer, checkpoint.Restored]:
     """Moves this rank from its process group to a new one and returns the new trainer and
     where its state came from. ``trainer`` is released (closed, without model and optimizer).
     ``keep_state=False`` (its state is not consistent, e.g. a step failed halfway through the
     update) makes it a receiver. ``timeout``: of the new group and of Megatron's groups in it.
-    ``parked``: the rank left its group already (``park``); its state is the parked one."""
+    ``parked``: the rank left its group already (``park``); its state is the parked one.
+
+    Raises ReformFailed, holding the state as it was, when the group cannot be formed or the
+    exchange breaks (a peer died meanwhile): a newer reform can still use that state."""
     if not isinstance(timeout, timedelta):
         timeout = timedelta(seconds=timeout)
     snapshot: Snapshot | None
     if parked is not None:
-        snapshot, backend = parked.snapshot, parked.backend
+        snapshot, backend = parked.snapshot if keep_state else None, parked.backend
     else:
         snapshot = capture(trainer) if keep_state else None
         backend = teardown(trainer)
@@ -261,9 +324,17 @@ def reform(
         "joining a new process group",
         extra={"rank": new_rank, "world_size": new_world, "master": f"{master_addr}:{master_port}"},
     )
-    join(new_rank, new_world, master_addr, master_port, timeout, backend)
-    new = rebuild(trainer, timeout)
-    restored = exchange_state(new, snapshot, checkpoint_dir, corrupt_transfer, snapshot_dir)
+    new: GPTTrainer | None = None
+    try:
+        join(new_rank, new_world, master_addr, master_port, timeout, backend, superseded)
+        new = rebuild(trainer, timeout)
+        restored = exchange_state(new, snapshot, checkpoint_dir, corrupt_transfer, snapshot_dir)
+    except Exception as exc:  # noqa: BLE001 - whatever broke the new group, the state is intact
+        # A load happens only after the common verdict, so ``snapshot`` is still this rank's
+        # state. The half-formed group goes, so that a newer reform starts from nothing.
+        teardown(new)
+        exc.__traceback__ = None  # its frames hold the half-built trainer
+        raise ReformFailed(exc, Parked(snapshot, backend, parked.partial if parked else None)) from None
     return new, restored
 
 

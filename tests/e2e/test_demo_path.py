@@ -89,25 +89,35 @@ def submit_running(cluster: LocalCluster, tmp_path: Path, name: str, iterations:
     return job_id
 
 
+def story(client: UnicronClient, job_id: str) -> str:
+    """The job's incidents and remedies, for a failure message."""
+    lines = [f"{ladder_step.remedy} {ladder_step.reason}" for ladder_step in client.get(job_id).remedies]
+    lines += [f"{i.incident_id} {i.summary} -> {i.action_taken}" for i in client.incidents(job_id)]
+    return "\n".join(lines)
+
+
 def test_killed_trainer_is_restarted_and_the_job_trains_on(cluster: LocalCluster, tmp_path: Path) -> None:
     job_id = submit_running(cluster, tmp_path, "e2e-kill", iterations=10_000)
     with UnicronClient(cluster.coordinator) as client:
-        victims = cluster.trainer_processes(job_id, rank=1)
-        assert len(victims) == 1
-        victims[0].send_signal(signal.SIGKILL)
-        killed_at = time.monotonic()
-        while not client.get(job_id).remedies:
-            assert time.monotonic() - killed_at < 30, "kill not detected"
-            time.sleep(0.1)
-        while (job := client.get(job_id)).state != common_pb2.JOB_STATE_RUNNING or job.assignment.generation < 2:
-            assert time.monotonic() - killed_at < 120, f"job did not resume: {job.reason}"
-            time.sleep(0.2)
-        (incident,) = [i for i in client.incidents(job_id) if i.kind != common_pb2.FAILURE_KIND_STRAGGLER]
-        iteration = job.progress.iteration
-        while client.get(job_id).progress.iteration <= iteration:
-            assert time.monotonic() - killed_at < 150, "training did not go on after the restart"
-            time.sleep(0.2)
-        client.cancel(job_id)
+        try:
+            victims = cluster.trainer_processes(job_id, rank=1)
+            assert len(victims) == 1
+            victims[0].send_signal(signal.SIGKILL)
+            killed_at = time.monotonic()
+            while not client.get(job_id).remedies:
+                assert time.monotonic() - killed_at < 30, "kill not detected"
+                time.sleep(0.1)
+            while (job := client.get(job_id)).state != common_pb2.JOB_STATE_RUNNING or job.assignment.generation < 2:
+                assert time.monotonic() - killed_at < 120, f"job did not resume: {job.reason}\n{story(client, job_id)}"
+                time.sleep(0.2)
+            (incident,) = [i for i in client.incidents(job_id) if i.kind != common_pb2.FAILURE_KIND_STRAGGLER]
+            iteration = job.progress.iteration
+            while client.get(job_id).progress.iteration <= iteration:
+                assert time.monotonic() - killed_at < 150, "training did not go on after the restart"
+                time.sleep(0.2)
+        finally:
+            # Whatever happened, the next test needs the slots.
+            client.cancel(job_id)
     assert job.remedies[0].remedy == common_pb2.REMEDY_RESTART and job.remedies[0].HasField("resumed")
     assert "rank 1" in incident.summary and "signal 9" in incident.summary
     assert incident.HasField("resumed") and incident.cost.transition_seconds > 0

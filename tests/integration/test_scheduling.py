@@ -263,6 +263,35 @@ def test_silent_node_is_lost_and_its_job_is_replanned(control_plane: ControlPlan
         assert all(n.state == common_pb2.NODE_STATE_READY for n in client.nodes())
 
 
+def test_a_job_that_no_longer_fits_waits_paused_and_the_others_are_still_planned(
+    control_plane: ControlPlane, clock: FakeClock
+) -> None:
+    """The job needs both nodes and one is lost: no plan keeps it running. It waits, paused,
+    for capacity (before, the re-plan kept failing and the job sat in recovery for good), and
+    starts again once the node is back."""
+    job, _ = scheduled_job(control_plane, data=4)
+    stub = control_plane.node_stub()
+    for _ in range(4):  # n2 silent for 4 s > 3 s timeout
+        clock.advance(1.0)
+        stub.Heartbeat(node_service_pb2.HeartbeatRequest(node_id="n1"), timeout=5)
+    control_plane.coordinator.reconcile_once()
+    with control_plane.client() as client:
+        paused = client.get(job.job_id)
+        small = client.submit(tiny_spec("small", data=2))
+    assert paused.state == common_pb2.JOB_STATE_PENDING
+    assert "needs at least 4 slots" in paused.reason, paused.reason
+    assert paused.remedies[0].remedy == common_pb2.REMEDY_RECONFIGURE
+    control_plane.coordinator.reconcile_once()
+    with control_plane.client() as client:
+        assert client.get(small.job_id).state == common_pb2.JOB_STATE_SCHEDULED  # planning goes on
+        client.cancel(small.job_id)
+    register(control_plane, "n2")
+    control_plane.coordinator.reconcile_once()
+    with control_plane.client() as client:
+        again = client.get(job.job_id)
+    assert again.state == common_pb2.JOB_STATE_SCHEDULED and again.assignment.world_size == 4
+
+
 def test_a_job_moved_off_a_lost_node_does_not_land_on_one_about_to_be_lost(
     control_plane: ControlPlane, clock: FakeClock
 ) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
@@ -167,6 +168,63 @@ def test_the_link_delivers_the_agents_reform() -> None:
         link.close()
         agent.stop()
     LinkCallbacks(on_stop=lambda r: None, on_inject=lambda f: None, on_lost=lambda r: None).on_reform(_reform(2))
+
+
+def test_a_reform_superseded_while_waiting_for_its_group_joins_the_newer_one_with_its_state(
+    tmp_path: Path,
+) -> None:
+    """Generation 2's rank 0 died before its store came up (as when a second failure hits a
+    restart); the agent's next reform, generation 3, ends the wait, and the rank joins that
+    one with the state it had instead of failing."""
+    import torch.distributed as dist
+
+    from services.trainer.__main__ import apply_reform
+    from services.trainer.gpt import GPTTrainer
+
+    run, link = _run()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        trainer = GPTTrainer(*trainer_configs(tiny_spec(4)))
+        trainer.step()
+        before = {k: v.detach().clone() for k, v in trainer.model.state_dict().items() if isinstance(v, torch.Tensor)}
+        nobody = free_port()  # generation 2's store never comes up
+        newer = _reform(3, rank=0, world=1, port=free_port())
+        first = _reform(2, rank=1, world=2, port=nobody)
+        newer.master_addr = first.master_addr = "127.0.0.1"
+        timer = threading.Timer(0.3, lambda: run.reforms.put(newer))
+        timer.start()
+        new = apply_reform(run, trainer, first, keep_state=True)
+        try:
+            after = {k: v for k, v in new.model.state_dict().items() if isinstance(v, torch.Tensor)}
+            assert (run.generation, run.rank, run.world_size) == (3, 0, 1)
+            assert run.source == ("live", 1) and new.iteration == 1
+            assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+            assert link.sent == []  # superseded, not a failure: nothing to report
+        finally:
+            new.close()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_a_reform_that_cannot_form_its_group_and_gets_no_newer_one_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.trainer import reform as reforming
+    from services.trainer.__main__ import apply_reform
+
+    with pytest.raises(reforming.Superseded):
+        reforming.join(1, 2, "127.0.0.1", free_port(), timeout=30, superseded=lambda: True)
+    error = RuntimeError(TIMEOUT_TEXT)
+
+    def broken_group(*args: Any, **kwargs: Any) -> Any:
+        raise reforming.ReformFailed(error, reforming.Parked(None, "gloo", None))
+
+    monkeypatch.setattr(reforming, "reform", broken_group)
+    run, link = _run(wait_s=0.2)
+    with pytest.raises(RuntimeError) as raised:
+        apply_reform(run, cast(Any, SimpleNamespace(iteration=1)), _reform(2), keep_state=True)
+    assert raised.value is error
+    # Reported as the new generation's error; no answer came within the wait.
+    assert [(m.error.kind, m.error.generation) for m in link.sent] == [(common_pb2.FAILURE_KIND_COLLECTIVE_TIMEOUT, 2)]
 
 
 # --- real trainer processes -------------------------------------------------------------------

@@ -268,3 +268,22 @@ def test_a_quiet_node_keeps_its_ranks_and_takes_no_new_ones() -> None:
     request = decide.plan_request([running], nodes, 1e-6, 1.0, quiet=["a", "b"])
     assert {n.node_id: n.slots for n in request.nodes} == {"a": 1, "b": 0, "c": 4}
     assert all(n.healthy for n in request.nodes)  # nothing must move off them yet
+
+
+def test_hit_jobs_may_pause_when_no_plan_keeps_them_running() -> None:
+    request = planner_service_pb2.PlanRequest()
+    request.jobs.add(job_id="hit", hit_by_failure=True)
+    request.jobs.add(job_id="hit-pinned", hit_by_failure=True, pinned=True)
+    request.jobs.add(job_id="hit-preemptible", hit_by_failure=True, preemptible=True)
+    request.jobs.add(job_id="healthy")
+    relaxed = decide.hit_jobs_may_pause(request)
+    assert relaxed is not None
+    assert {job.job_id: job.preemptible for job in relaxed.jobs} == {
+        "hit": True,
+        "hit-pinned": False,
+        "hit-preemptible": True,
+        "healthy": False,
+    }
+    assert not request.jobs[0].preemptible  # the original request is left as it was
+    del request.jobs[0]
+    assert decide.hit_jobs_may_pause(request) is None  # nothing to relax: the answer stands
