@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 _RESERVED = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
 
@@ -38,3 +39,17 @@ def setup_logging(service: str, level: str = "info") -> logging.Logger:
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     return logging.getLogger(service)
+
+
+def exit_flushed(code: int) -> NoReturn:
+    """Ends the process with ``code`` once the logs are flushed, skipping the interpreter's
+    own teardown. A service or trainer calls this after its clean shutdown: that teardown
+    adds about 2 s per process (gRPC's finalization), which every stop, restart and
+    finished job would wait for, and it holds nothing that still needs saving."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)

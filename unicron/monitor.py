@@ -198,6 +198,10 @@ class JobMonitor:
 
     # --- input ---------------------------------------------------------------------------
 
+    def last_iteration_of(self, rank: int) -> int:
+        """The last iteration ``rank`` reported finishing, 0 if none."""
+        return self._last_iteration.get(rank, 0)
+
     def observe(self, rank: int, iteration: int, seconds: float, compute_seconds: float, now: float) -> None:
         """Records that `rank` finished `iteration`, which took `seconds` of wall time and
         `compute_seconds` before entering the gradient all-reduce (0 if unknown).

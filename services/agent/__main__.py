@@ -14,6 +14,7 @@ from services.agent.agent import Agent, AgentSettings, serve
 from services.agent.health import default_checks
 from unicron import rpc
 from unicron.config import require
+from unicron.logs import exit_flushed
 from unicron.monitor import MonitorSettings
 from unicron.security import ClientSecurity, ServerSecurity, TLSConfig, WorkerTokens, read_token_file, server_security
 from unicron.service import grpc_dependency, run_server
@@ -151,4 +152,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    exit_flushed(main(sys.argv[1:]))

@@ -5,6 +5,7 @@ statistical monitoring of iteration times (monitor.py) and node health (health.p
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -18,7 +19,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import psutil
@@ -196,6 +197,10 @@ class Agent:
             ),
         )
         self._threads: list[threading.Thread] = []
+        # The open streams to the coordinator, cancelled on stop: a stream waiting for the
+        # next command would otherwise hold its thread, and the agent's exit, for seconds.
+        self._open_calls: set[grpc.Call] = set()
+        self._open_calls_lock = threading.Lock()
 
     # ---- lifecycle --------------------------------------------------------------------
 
@@ -218,6 +223,10 @@ class Agent:
 
     def stop(self) -> None:
         self._stop.set()
+        with self._open_calls_lock:
+            calls = list(self._open_calls)
+        for call in calls:
+            call.cancel()
         self.supervisor.close()
         self.supervisor.stop(grace_s=self.settings.stop_grace_s)
         if self.settings.snapshot_dir is not None:
@@ -300,15 +309,29 @@ class Agent:
         replies = self._stub.StreamHeartbeats(beats())
         answered = False
         try:
-            for reply in replies:
-                answered = True
-                if not reply.known:
-                    self._registered.clear()
-                    break
+            with self._open(replies):
+                for reply in replies:
+                    answered = True
+                    if not reply.known:
+                        self._registered.clear()
+                        break
         finally:
             done.set()
             replies.cancel()
         return answered
+
+    @contextlib.contextmanager
+    def _open(self, call: Any) -> Iterator[None]:
+        """Keeps `call` (a stream to the coordinator) on the list that stop() cancels."""
+        with self._open_calls_lock:
+            self._open_calls.add(call)
+        if self._stop.is_set():
+            call.cancel()  # stop() ran before the call was on the list
+        try:
+            yield
+        finally:
+            with self._open_calls_lock:
+                self._open_calls.discard(call)
 
     def _command_loop(self) -> None:
         delays = Backoff(0.1, 2.0).delays()
@@ -317,10 +340,12 @@ class Agent:
                 continue
             request = pb.StreamCommandsRequest(node_id=self.settings.node_id, after_command_id=self._command_cursor)
             try:
-                for reply in self._stub.StreamCommands(request):
-                    self._execute(reply.command)
-                    self._command_cursor = reply.command.command_id
-                    delays = Backoff(0.1, 2.0).delays()
+                commands = self._stub.StreamCommands(request)
+                with self._open(commands):
+                    for reply in commands:
+                        self._execute(reply.command)
+                        self._command_cursor = reply.command.command_id
+                        delays = Backoff(0.1, 2.0).delays()
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.NOT_FOUND:
                     self._registered.clear()
@@ -623,8 +648,8 @@ class Agent:
                 master_addr=assignment.master_addr,
                 master_port=assignment.master_port,
             )
-            if not self.link.send(new_key, trainer_service_pb2.ConnectResponse(reform=message)):
-                log.warning("reform: trainer not connected", extra={"job_id": reform.job_id, "rank": key.rank})
+            if not self.link.send(new_key, trainer_service_pb2.ConnectResponse(reform=message), hold=True):
+                log.info("reform held for a trainer still starting", extra={"job_id": reform.job_id, "rank": key.rank})
             kept.add(new_rank)
         leaving = f"left out of generation {assignment.generation}"
         self.link.request_stop(reform.job_id, leaving, reform.from_generation)
@@ -801,6 +826,10 @@ class Agent:
             stderr_tail=exit.stderr_tail,
         )
         request.exited.FromNanoseconds(int(exit.exited_at * 1e9))
+        with self._monitors_lock:
+            monitor = self._monitors.get((exit.key.job_id, exit.key.generation))
+            request.last_iteration = monitor.last_iteration_of(exit.key.rank) if monitor is not None else 0
+        self.link.forget(exit.key)
         if not self.supervisor.running(exit.key.job_id):
             self._forget_job(exit.key.job_id)
             if exit.exit_code == 0 and exit.signal == 0 and self.settings.snapshot_dir is not None:

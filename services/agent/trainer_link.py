@@ -67,6 +67,10 @@ class TrainerLink(trainer_service_pb2_grpc.TrainerAgentServiceServicer):
         self._limiter = KeyedLimiter(REPORTS_PER_S, REPORT_BURST)
         self._lock = threading.Lock()
         self._streams: dict[WorkerKey, _Stream] = {}
+        # A trainer re-keyed (by a reform) before it connected says hello under the key it
+        # was started with: that key -> its key now. And what it is to be told once there.
+        self._moved: dict[WorkerKey, WorkerKey] = {}
+        self._held: dict[WorkerKey, list[pb.ConnectResponse]] = {}
 
     def Connect(
         self, request_iterator: Iterator[pb.ConnectRequest], context: grpc.ServicerContext
@@ -86,6 +90,8 @@ class TrainerLink(trainer_service_pb2_grpc.TrainerAgentServiceServicer):
                 f"the token is for {principal.name}, not job {key.job_id} generation {key.generation} rank {key.rank}",
             )
             return
+        with self._lock:
+            key = self._moved.get(key, key)
         if not self._handlers.is_known(key):
             context.abort(
                 grpc.StatusCode.NOT_FOUND,
@@ -95,7 +101,11 @@ class TrainerLink(trainer_service_pb2_grpc.TrainerAgentServiceServicer):
         stream = _Stream(key, queue.Queue())
         with self._lock:
             self._streams[key] = stream
+            held = self._held.pop(key, [])
+            self._moved = {start: now for start, now in self._moved.items() if now != key}
         stream.outbox.put(pb.ConnectResponse(welcome=pb.AgentWelcome(node_id=self._node_id)))
+        for waiting in held:
+            stream.outbox.put(waiting)
         threading.Thread(
             target=self._read, args=(stream, request_iterator), daemon=True, name=f"link-{hello.rank}"
         ).start()
@@ -116,14 +126,24 @@ class TrainerLink(trainer_service_pb2_grpc.TrainerAgentServiceServicer):
 
     def rekey(self, old: WorkerKey, new: WorkerKey) -> bool:
         """The trainer behind `old` moved to a new generation and rank (a reform): its
-        stream now speaks for `new`. False when no such trainer is connected."""
+        stream now speaks for `new`. False when no such trainer is connected: then its hello,
+        when it comes, is taken as `new`'s (what was held for `old` is out of date)."""
         with self._lock:
             stream = self._streams.pop(old, None)
             if stream is None:
+                start = next((first for first, now in self._moved.items() if now == old), old)
+                self._moved[start] = new
+                self._held.pop(old, None)
                 return False
             stream.key = new
             self._streams[new] = stream
         return True
+
+    def forget(self, key: WorkerKey) -> None:
+        """The trainer of `key` is gone: nothing is held for it any more."""
+        with self._lock:
+            self._held.pop(key, None)
+            self._moved = {start: now for start, now in self._moved.items() if now != key}
 
     def _read(self, stream: _Stream, request_iterator: Iterator[pb.ConnectRequest]) -> None:
         last_refusal = ""
@@ -179,9 +199,13 @@ class TrainerLink(trainer_service_pb2_grpc.TrainerAgentServiceServicer):
         else:
             raise Rejected("INVALID_ARGUMENT", "message: a hello may only be sent first")
 
-    def send(self, key: WorkerKey, message: pb.ConnectResponse) -> bool:
+    def send(self, key: WorkerKey, message: pb.ConnectResponse, hold: bool = False) -> bool:
+        """Sends `message` to the trainer of `key`; False when it is not connected. With
+        `hold`, a trainer still starting gets it once it connects."""
         with self._lock:
             stream = self._streams.get(key)
+            if stream is None and hold:
+                self._held.setdefault(key, []).append(message)
         if stream is not None:
             stream.outbox.put(message)
         return stream is not None

@@ -31,6 +31,7 @@ from services.coordinator.store import Store
 from unicron import redisutil, rpc
 from unicron.config import require
 from unicron.errors import UnicronError
+from unicron.logs import exit_flushed
 from unicron.security import ServerSecurity, TLSConfig, TokenBook, server_security
 from unicron.service import redis_dependency, run_server
 
@@ -209,4 +210,4 @@ class _LeaseHolder:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    exit_flushed(main(sys.argv[1:]))

@@ -585,6 +585,16 @@ class Coordinator:
                 "rank", f"{request.rank} is not a rank of job {job.job_id} (world size {job.assignment.world_size})"
             )
         code = -request.signal if request.signal else request.exit_code
+        iterations = job.spec.training.iterations
+        if code != 0 and iterations and request.last_iteration >= iterations:
+            # It had done its last iteration: dying while it tore down loses no training, and a
+            # restart would only wait on peers that are finishing (or gone) for good.
+            how = f"signal {request.signal}" if request.signal else f"exit code {request.exit_code}"
+            message = f"rank {request.rank} ended with {how} after its last iteration {request.last_iteration}"
+            log.warning("rank failed after its last iteration", extra={"job_id": job.job_id, "rank": request.rank})
+            note = event(job, EventType.JOB_EVENT_TYPE_FAILURE, self.clock(), message)
+            self.store.append_event(job.job_id, note)
+            code = 0
         exits = self.store.record_exit(job.job_id, request.generation, request.rank, code)
         stopping = any(
             w.node_id == request.node_id and w.generation == request.generation and w.state == state.WORKER_STOPPING

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from services.planner.server import Limits, PlannerServicer
 from unicron import rpc
 from unicron.config import require
+from unicron.logs import exit_flushed
 from unicron.security import TLSConfig
 from unicron.service import run_server
 from unicron.v1 import planner_service_pb2_grpc
@@ -50,4 +51,4 @@ def setup(config: PlannerConfig, server: rpc.Server, log: logging.Logger) -> Non
 
 
 if __name__ == "__main__":
-    sys.exit(run_server("planner", PlannerConfig, sys.argv[1:], setup))
+    exit_flushed(run_server("planner", PlannerConfig, sys.argv[1:], setup))

@@ -61,7 +61,7 @@ from unicron.errors import UnicronError
 from unicron.failures import classify, classify_exception, kind_name
 from unicron.faults import parse_fault
 from unicron.jobspec import DEFAULT_CHECKPOINT_INTERVAL
-from unicron.logs import setup_logging
+from unicron.logs import exit_flushed, setup_logging
 from unicron.security import ClientSecurity, load_tls
 from unicron.v1 import common_pb2, node_service_pb2, trainer_service_pb2
 
@@ -671,4 +671,4 @@ def _reform_once(
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    exit_flushed(main(sys.argv[1:]))

@@ -56,6 +56,10 @@ class AgentLink:
         self._callbacks = callbacks
         self._outbox: queue.Queue[object] = queue.Queue()
         self._welcomed = threading.Event()
+        # Set with the welcome, or when the stream ended before one: open() need not wait
+        # out its timeout for an agent that refused the hello.
+        self._answered = threading.Event()
+        self._ended_because = ""
         self._closing = threading.Event()
         self._reader: threading.Thread | None = None
 
@@ -66,8 +70,10 @@ class AgentLink:
         responses = self._stub.Connect(self._messages(), wait_for_ready=True)
         self._reader = threading.Thread(target=self._read, args=(responses,), daemon=True, name="agent-link")
         self._reader.start()
-        if not self._welcomed.wait(timeout_s):
+        if not self._answered.wait(timeout_s):
             raise ConnectionError(f"the agent did not answer within {timeout_s}s")
+        if not self._welcomed.is_set():
+            raise ConnectionError(f"the agent did not take the connection: {self._ended_because}")
 
     def _messages(self) -> Iterator[pb.ConnectRequest]:
         while True:
@@ -84,6 +90,7 @@ class AgentLink:
                 kind = response.WhichOneof("message")
                 if kind == "welcome":
                     self._welcomed.set()
+                    self._answered.set()
                 elif kind == "stop":
                     log.info("agent asked to stop", extra={"reason": response.stop.reason})
                     self._callbacks.on_stop(response.stop.reason)
@@ -110,7 +117,9 @@ class AgentLink:
                         extra={"code": response.rejected.code, "reason": response.rejected.reason},
                     )
         except grpc.RpcError as exc:
-            reason = f"agent connection lost ({exc.code().name})"
+            reason = f"agent connection lost ({exc.code().name}: {exc.details()})"
+        self._ended_because = reason
+        self._answered.set()
         if not self._closing.is_set():
             log.warning(reason)
             self._callbacks.on_lost(reason)

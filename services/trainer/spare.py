@@ -16,6 +16,8 @@ import json
 import os
 import sys
 
+from unicron.logs import exit_flushed
+
 
 def _become(order: dict[str, object]) -> None:
     env, stdout, stderr = order["env"], order["stdout"], order["stderr"]
@@ -52,4 +54,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_flushed(main())

@@ -128,6 +128,36 @@ def test_killed_trainer_is_restarted_and_the_job_trains_on(cluster: LocalCluster
         time.sleep(0.5)
 
 
+def test_a_second_death_while_the_restart_forms_its_group_is_restarted_too(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """Rank 3 dies while the survivors of rank 1's death join their new group: they take the
+    next restart's group instead of waiting out the rendezvous (or failing, which escalated
+    the ladder to isolating a healthy node), and the restarted rank 1, still starting, is
+    handed the newer reform when it connects."""
+    job_id = submit_running(cluster, tmp_path, "e2e-twice", iterations=10_000)
+    with UnicronClient(cluster.coordinator) as client:
+        try:
+            cluster.trainer_processes(job_id, rank=1)[0].send_signal(signal.SIGKILL)
+            killed_at = time.monotonic()
+            time.sleep(0.4)
+            for process in cluster.trainer_processes(job_id, rank=3):
+                process.send_signal(signal.SIGKILL)
+            while (job := client.get(job_id)).state != common_pb2.JOB_STATE_RUNNING or job.assignment.generation < 2:
+                assert time.monotonic() - killed_at < 120, f"job did not resume: {job.reason}\n{story(client, job_id)}"
+                time.sleep(0.2)
+            iteration = job.progress.iteration
+            while client.get(job_id).progress.iteration <= iteration:
+                assert time.monotonic() - killed_at < 150, f"training did not go on\n{story(client, job_id)}"
+                time.sleep(0.2)
+            assert all(r.remedy == common_pb2.REMEDY_RESTART for r in client.get(job_id).remedies), story(
+                client, job_id
+            )
+            assert [n.state for n in client.nodes()] == [common_pb2.NODE_STATE_READY] * 2
+        finally:
+            client.cancel(job_id)
+
+
 def test_a_job_survives_a_coordinator_crash(cluster: LocalCluster, tmp_path: Path) -> None:
     job_id = submit_running(cluster, tmp_path, "e2e-crash", iterations=25)
     coordinator = cluster.service("coordinator")

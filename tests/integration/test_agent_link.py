@@ -130,3 +130,55 @@ def test_an_error_of_a_group_the_trainer_has_left_keeps_that_groups_generation(
         )
         agent._trainer_error(key, error)
     assert [r.generation for r in reports] == [1, 2]
+
+
+def test_a_trainer_reformed_before_it_connected_gets_the_reform_with_its_welcome(
+    control_plane: ControlPlane, agent: Agent
+) -> None:
+    """A restarted rank still starting (importing torch) when a second failure moves the job
+    on: its hello names the generation it was started for; the agent takes it as the trainer
+    it re-keyed and hands it the reform it could not deliver before."""
+    job = running_job(control_plane, agent)
+    started = job.assignment
+    for generation in (2, 3):  # two reforms before the trainer says hello
+        assignment = common_pb2.Assignment()
+        assignment.CopyFrom(started)
+        assignment.generation, assignment.master_port = generation, started.master_port + generation
+        agent._reform(
+            node_service_pb2.Reform(
+                job_id=job.job_id,
+                from_generation=generation - 1,
+                spec=job.spec,
+                assignment=assignment,
+                rank_map={0: 0},
+                incident_id=f"inc-{generation}",
+            )
+        )
+    assert [k.generation for k in agent.supervisor.running(job.job_id)] == [3]
+    trainer = Trainer(agent.address, trainer_service_pb2.TrainerHello(job_id=job.job_id, generation=1, rank=0))
+    try:
+        assert trainer.next_reply().HasField("welcome")
+        reform = trainer.next_reply().reform
+        assert (reform.generation, reform.incident_id, reform.master_port) == (3, "inc-3", started.master_port + 3)
+    finally:
+        trainer.close()
+    # Only once: a second hello under the old key is a stranger.
+    stranger = Trainer(agent.address, trainer_service_pb2.TrainerHello(job_id=job.job_id, generation=1, rank=0))
+    with pytest.raises(grpc.RpcError) as error:
+        stranger.next_reply()
+    assert error.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_a_trainer_the_agent_does_not_know_fails_to_connect_at_once(agent: Agent) -> None:
+    from services.trainer.agent_link import AgentLink, LinkCallbacks
+
+    link = AgentLink(
+        agent.address,
+        trainer_service_pb2.TrainerHello(job_id="job-nope", generation=1, rank=0),
+        LinkCallbacks(on_stop=lambda r: None, on_inject=lambda f: None, on_lost=lambda r: None),
+    )
+    started = time.monotonic()
+    with pytest.raises(ConnectionError, match="NOT_FOUND"):
+        link.open(timeout_s=30)
+    assert time.monotonic() - started < 10  # not the welcome timeout
+    link.close()

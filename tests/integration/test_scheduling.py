@@ -145,6 +145,47 @@ def report_iteration(
     )
 
 
+def test_a_rank_that_dies_after_its_last_iteration_does_not_restart_the_job(control_plane: ControlPlane) -> None:
+    """Killed while it tore down, after its last iteration: nothing is left to redo. (A restart
+    here waited on the peers, which had finished for good, until the recovery timeout.)"""
+    job, _ = scheduled_job(control_plane, data=2)
+    (worker,) = job.assignment.workers
+    stub = control_plane.node_stub()
+    last = job.spec.training.iterations
+
+    def exit_of(rank: int, last_iteration: int, **how: int) -> None:
+        stub.ReportWorkerExit(
+            node_service_pb2.ReportWorkerExitRequest(
+                node_id=worker.node_id,
+                job_id=job.job_id,
+                generation=1,
+                rank=rank,
+                last_iteration=last_iteration,
+                **how,  # type: ignore[arg-type]
+            ),
+            timeout=5,
+        )
+
+    exit_of(1, last, signal=9)
+    exit_of(0, last, exit_code=0)
+    with control_plane.client() as client:
+        done = client.get(job.job_id)
+        assert done.state == common_pb2.JOB_STATE_SUCCEEDED, done.reason
+        assert client.incidents(job.job_id) == []
+        notes = [e.message for e in client.watch(job.job_id, after_event_id="0-0")]
+    assert f"rank 1 ended with signal 9 after its last iteration {last}" in notes
+    # One iteration short, the same death is a failure with a remedy.
+    with control_plane.client() as client:
+        job = client.submit(tiny_spec("short", data=2))
+        control_plane.coordinator.reconcile_once()
+        job = client.get(job.job_id)
+    (worker,) = job.assignment.workers
+    exit_of(1, last - 1, signal=9)
+    with control_plane.client() as client:
+        (incident,) = client.incidents(job.job_id)
+    assert incident.kind == common_pb2.FAILURE_KIND_PROCESS_EXIT
+
+
 def test_crashed_rank_restarts_the_job_in_place_and_it_resumes(control_plane: ControlPlane, clock: FakeClock) -> None:
     # The classic restart (stop every rank, start them all): reforms off. With them, the
     # crashed rank alone starts again (test_healing_edges.py).

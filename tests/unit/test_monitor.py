@@ -441,3 +441,12 @@ def test_millisecond_jitter_is_not_a_straggler() -> None:
         monitor.observe(0, iteration, 0.08, 0.053, now)
         monitor.observe(1, iteration, 0.08, 0.023, now)
     assert monitor.check(now) == []
+
+
+def test_each_ranks_last_iteration_is_kept_for_its_exit_report() -> None:
+    monitor = make()
+    monitor.observe(0, 1, 1.0, 0.5, 101.0)
+    monitor.observe(0, 2, 1.0, 0.5, 102.0)
+    monitor.observe(1, 1, 1.0, 0.5, 101.0)
+    assert (monitor.last_iteration_of(0), monitor.last_iteration_of(1)) == (2, 1)
+    assert make().last_iteration_of(0) == 0
