@@ -165,6 +165,8 @@ class Run:
     # The agent's reform answers, filled by the link's thread; the newest not yet acted on.
     reforms: queue.Queue[trainer_service_pb2.AgentReform] = field(default_factory=queue.Queue)
     pending_reform: trainer_service_pb2.AgentReform | None = None
+    # How long the last training step took (the reform watchdog's measure of "long").
+    step_seconds: float = 0.0
     # Where this process stands now: the config's values until a reform changes them.
     generation: int = -1
     rank: int = -1
@@ -238,6 +240,7 @@ def main(argv: list[str]) -> int:
     )
     run = Run(config, spec, link, stop, injector, lost=lost, reattempts=reattempts, reforms=reforms)
     link.open()
+    threading.Thread(target=watch_reforms, args=(run,), name="reform-watchdog", daemon=True).start()
     try:
         train(run, log)
     except BaseException:
@@ -292,6 +295,41 @@ def poll_reform(run: Run) -> trainer_service_pb2.AgentReform | None:
         elif run.pending_reform is None or reform.generation > run.pending_reform.generation:
             run.pending_reform = reform
     return run.pending_reform
+
+
+# A reform left unread this long means the training thread is stuck in a collective of the
+# old group (a peer that left it without closing its connections holds it there until the
+# collective timeout): at least REFORM_OVERDUE_MIN_S, and REFORM_OVERDUE_STEPS steps.
+REFORM_OVERDUE_MIN_S = 20.0
+REFORM_OVERDUE_STEPS = 3.0
+
+
+def reform_overdue(waited_s: float, step_seconds: float) -> bool:
+    """Whether a reform unread for ``waited_s`` means the training thread is stuck, given
+    that its last step took ``step_seconds``: it reads reforms between steps, and at once
+    when a step fails."""
+    return waited_s > max(REFORM_OVERDUE_MIN_S, REFORM_OVERDUE_STEPS * step_seconds)
+
+
+def watch_reforms(run: Run, period_s: float = 1.0, exit_process: Callable[[int], object] = exit_flushed) -> None:
+    """Ends the process when a reform stays unread too long (reform_overdue). Stuck, the rank
+    would hold the new group up for the rest of the collective timeout; exited, it is
+    restarted at once and takes its state from a peer."""
+    waiting_since: float | None = None
+    while not run.stop.wait(period_s):
+        if run.reforms.empty():
+            waiting_since = None
+            continue
+        now = time.monotonic()
+        waiting_since = now if waiting_since is None else waiting_since
+        if reform_overdue(now - waiting_since, run.step_seconds):
+            logging.getLogger("trainer").error(
+                "a reform waited %.0fs for this rank, which is stuck in its old process group; exiting so that it"
+                " restarts and takes its state from a peer",
+                now - waiting_since,
+            )
+            exit_process(1)
+            return
 
 
 def wait_for_decision(run: Run, timeout_s: float, poll_s: float = 0.05) -> Decision:
@@ -453,6 +491,10 @@ def train(run: Run, log: logging.Logger) -> None:
             nonlocal parked
             parked = reforming.park(trainer)
 
+        # The checkpoint of the iteration just reported, written at the start of the next pass:
+        # the save is collective, and a peer dying during it is then handled as a failed step
+        # (this rank's state is whole) rather than failing the rank.
+        save_due = False
         while run.iteration < training.iterations and not run.stop.is_set():
             reform = poll_reform(run)
             if reform is not None:  # at an iteration boundary: nothing in flight
@@ -462,6 +504,9 @@ def train(run: Run, log: logging.Logger) -> None:
             decision: Decision | None = None
             finishing, resume = resume, None
             try:
+                if save_due:
+                    checkpoint.save(trainer, config.checkpoint_dir)
+                    save_due = False
                 run.injector.before_step(run.iteration + 1)
                 result = next_step(trainer, finishing, log)
             except Exception as exc:
@@ -494,7 +539,7 @@ def train(run: Run, log: logging.Logger) -> None:
                 parked = None
                 writer = snapshots.SnapshotWriter(config.snapshot_dir, run.rank, every)
                 continue
-            run.iteration = result.iteration
+            run.iteration, run.step_seconds = result.iteration, result.seconds
             report = node_service_pb2.IterationReport(
                 job_id=config.job_id,
                 generation=run.generation,
@@ -510,9 +555,10 @@ def train(run: Run, log: logging.Logger) -> None:
                 report.state_source, report.restored_iteration = run.source
                 run.source = None
             run.link.send(trainer_service_pb2.ConnectRequest(iteration=report))
-            if config.checkpoint_dir and run.iteration % interval == 0:
-                checkpoint.save(trainer, config.checkpoint_dir)
+            save_due = bool(config.checkpoint_dir) and run.iteration % interval == 0
             writer.after_iteration(trainer)
+        if save_due:
+            checkpoint.save(trainer, config.checkpoint_dir)
         trainer.close()
     except BaseException as exc:
         if exc is not run.reported:

@@ -24,7 +24,15 @@ import pytest
 import torch
 
 from services.trainer import checkpoint
-from services.trainer.__main__ import Decision, Run, TrainerConfig, after_failure, poll_reform
+from services.trainer.__main__ import (
+    Decision,
+    Run,
+    TrainerConfig,
+    after_failure,
+    poll_reform,
+    reform_overdue,
+    watch_reforms,
+)
 from services.trainer.agent_link import AgentLink, LinkCallbacks
 from services.trainer.faults import FaultInjector, InjectedFailure
 from services.trainer.reform import NO_STATE, StateError, make_plan, snapshot_of
@@ -144,6 +152,33 @@ def test_stale_and_malformed_reforms_are_ignored_and_the_newest_wins() -> None:
     run.reforms.put(_reform(2))
     newest = poll_reform(run)
     assert newest is not None and (newest.generation, newest.rank) == (3, 1)
+
+
+@pytest.mark.parametrize(
+    ("waited_s", "step_seconds", "overdue"),
+    [(5.0, 0.0, False), (21.0, 0.0, True), (21.0, 10.0, False), (31.0, 10.0, True)],
+)
+def test_a_reform_is_overdue_after_a_while_and_several_steps(
+    waited_s: float, step_seconds: float, overdue: bool
+) -> None:
+    assert reform_overdue(waited_s, step_seconds) is overdue
+
+
+def test_a_rank_stuck_in_its_old_group_with_a_reform_waiting_exits(monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.trainer import __main__ as trainer_main
+
+    monkeypatch.setattr(trainer_main, "REFORM_OVERDUE_MIN_S", 0.2)
+    run, _ = _run()
+    exits: list[int] = []
+    run.reforms.put(_reform(2))  # never read: the training thread is stuck
+    watch_reforms(run, period_s=0.05, exit_process=exits.append)
+    assert exits == [1]
+    # A reform read in time (the queue drained) is no reason to exit.
+    run, _ = _run()
+    stopper = threading.Timer(0.5, run.stop.set)
+    stopper.start()
+    watch_reforms(run, period_s=0.05, exit_process=exits.append)
+    assert exits == [1]
 
 
 def test_the_link_delivers_the_agents_reform() -> None:
