@@ -119,11 +119,16 @@ def merge(incident: pb.Incident | None, report: pb.FailureReport, now: float, in
 def is_open(incident: pb.Incident, now: float, report: pb.FailureReport | None = None) -> bool:
     """Whether a new report with the incident's key still joins it: within the merge
     window, and, once a remedy began, only if the report saw the failure before that (a
-    failure after a reattempt in place, same generation, is a new incident)."""
+    failure after a reattempt in place, same generation, is a new incident). Except the exit
+    of a rank that reported in the incident already: it gave up on the error it reported, and
+    a loaded machine can take longer to end it than the coordinator takes to decide."""
     if now - _seconds(incident.detected) > MERGE_WINDOW_S:
         return False
     if report is None or not incident.HasField("remedy_started") or not report.HasField("first_seen"):
         return True
+    if report.source == pb.DETECTION_SOURCE_PROCESS_SUPERVISION and report.HasField("rank"):
+        if any(r.HasField("rank") and r.rank == report.rank and r.node_id == report.node_id for r in incident.reports):
+            return True
     return _seconds(report.first_seen) <= _seconds(incident.remedy_started)
 
 

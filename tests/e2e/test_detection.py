@@ -30,6 +30,24 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     yield from running(local)
 
 
+@pytest.fixture(autouse=True)
+def cancel_leftovers(cluster: LocalCluster) -> Iterator[None]:
+    """A test that fails before it cancels its job would leave the slots taken for the next."""
+    yield
+    with UnicronClient(cluster.coordinator) as client:
+        for job in client.list_jobs():
+            if job.state in ACTIVE_OR_PENDING:
+                client.cancel(job.job_id)
+
+
+ACTIVE_OR_PENDING = (
+    common_pb2.JOB_STATE_PENDING,
+    common_pb2.JOB_STATE_SCHEDULED,
+    common_pb2.JOB_STATE_RUNNING,
+    common_pb2.JOB_STATE_RECOVERING,
+)
+
+
 def start_job(client: UnicronClient, name: str, data: int = 2) -> common_pb2.Job:
     job = client.submit(tiny_gpt(name, data))
     deadline = time.monotonic() + 120

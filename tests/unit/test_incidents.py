@@ -91,6 +91,9 @@ def test_a_failure_after_the_remedy_began_is_a_new_incident() -> None:
     after = report(pb.FAILURE_KIND_CONNECTION_RESET, pb.DETECTION_SOURCE_EXCEPTION, 2.5, rank=1)
     assert incidents.is_open(incident, 3.0, before)
     assert not incidents.is_open(incident, 3.0, after)
+    # The reporting rank's own exit, however late, is the end of the failure it reported.
+    assert incidents.is_open(incident, 3.0, report(pb.FAILURE_KIND_PROCESS_EXIT, EXIT, 2.5, rank=0))
+    assert not incidents.is_open(incident, 3.0, report(pb.FAILURE_KIND_PROCESS_EXIT, EXIT, 2.5, rank=1))
 
 
 def test_a_peers_reset_seen_first_is_explained_by_the_death_just_after() -> None:
