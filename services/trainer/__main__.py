@@ -500,6 +500,8 @@ def train(run: Run, log: logging.Logger) -> None:
             if reform is not None:  # at an iteration boundary: nothing in flight
                 trainer = apply_reform(run, trainer, reform, keep_state=True)
                 writer = snapshots.SnapshotWriter(config.snapshot_dir, run.rank, every)
+                # A rank new to the group owes no save: a collective not every rank joins hangs.
+                save_due = False
                 continue
             decision: Decision | None = None
             finishing, resume = resume, None
@@ -538,6 +540,7 @@ def train(run: Run, log: logging.Logger) -> None:
                 )
                 parked = None
                 writer = snapshots.SnapshotWriter(config.snapshot_dir, run.rank, every)
+                save_due = False
                 continue
             run.iteration, run.step_seconds = result.iteration, result.seconds
             report = node_service_pb2.IterationReport(
