@@ -101,8 +101,7 @@ class TrainerLink(trainer_service_pb2_grpc.TrainerAgentServiceServicer):
         stream = _Stream(key, queue.Queue())
         with self._lock:
             self._streams[key] = stream
-            held = self._held.pop(key, [])
-            self._moved = {start: now for start, now in self._moved.items() if now != key}
+            held = self._settle(key)
         stream.outbox.put(pb.ConnectResponse(welcome=pb.AgentWelcome(node_id=self._node_id)))
         for waiting in held:
             stream.outbox.put(waiting)
@@ -142,8 +141,12 @@ class TrainerLink(trainer_service_pb2_grpc.TrainerAgentServiceServicer):
     def forget(self, key: WorkerKey) -> None:
         """The trainer of `key` is gone: nothing is held for it any more."""
         with self._lock:
-            self._held.pop(key, None)
-            self._moved = {start: now for start, now in self._moved.items() if now != key}
+            self._settle(key)
+
+    def _settle(self, key: WorkerKey) -> list[pb.ConnectResponse]:
+        """Drops the move to `key` and returns what was held for it (caller holds the lock)."""
+        self._moved = {start: now for start, now in self._moved.items() if now != key}
+        return self._held.pop(key, [])
 
     def _read(self, stream: _Stream, request_iterator: Iterator[pb.ConnectRequest]) -> None:
         last_refusal = ""

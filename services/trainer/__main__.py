@@ -332,6 +332,18 @@ def watch_reforms(run: Run, period_s: float = 1.0, exit_process: Callable[[int],
             return
 
 
+def reform_waiting(run: Run) -> bool:
+    """Whether a reform newer than this process's generation waits (see poll_reform)."""
+    return poll_reform(run) is not None
+
+
+def enter_generation(run: Run, reform: trainer_service_pb2.AgentReform) -> None:
+    """From now on this rank belongs to ``reform``'s generation: its errors are reported as
+    that generation's, and only a newer reform supersedes this one."""
+    run.pending_reform = None
+    run.generation, run.rank, run.world_size = reform.generation, reform.rank, reform.world_size
+
+
 def wait_for_decision(run: Run, timeout_s: float, poll_s: float = 0.05) -> Decision:
     """The agent's answer to the error just reported: a reattempt or reform message, a stop
     request, the loss of the link, or nothing within ``timeout_s`` (GIVE_UP)."""
@@ -581,25 +593,22 @@ def join_first_group(run: Run, backend: str) -> bool:
     config = run.config
     timeout = timedelta(seconds=config.collective_timeout_s)
     master_addr, master_port, from_peer = config.master_addr, config.master_port, config.state_from_peer
-
-    def superseded() -> bool:
-        return poll_reform(run) is not None
-
     while True:
         try:
-            reforming.join(run.rank, run.world_size, master_addr, master_port, timeout, backend, superseded)
+            reforming.join(
+                run.rank, run.world_size, master_addr, master_port, timeout, backend, lambda: reform_waiting(run)
+            )
             return from_peer
         except reforming.Superseded:
             reform = poll_reform(run)
             assert reform is not None
-            run.pending_reform = None
             logging.getLogger("trainer").warning(
                 "generation %d was replaced before its group formed; joining generation %d",
                 run.generation,
                 reform.generation,
                 extra={"incident": reform.incident_id},
             )
-            run.generation, run.rank, run.world_size = reform.generation, reform.rank, reform.world_size
+            enter_generation(run, reform)
             master_addr, master_port, from_peer = reform.master_addr or master_addr, reform.master_port, True
 
 
@@ -666,7 +675,7 @@ def _reform_once(
 
     log = logging.getLogger("trainer")
     config = run.config
-    run.pending_reform = None
+    enter_generation(run, reform)
     log.info(
         "reforming into a new process group",
         extra={
@@ -678,14 +687,7 @@ def _reform_once(
             "keep_state": keep_state,
         },
     )
-    # From here the rank belongs to the new generation: its errors are reported as that
-    # generation's, and only a newer reform supersedes this one.
-    run.generation, run.rank, run.world_size = reform.generation, reform.rank, reform.world_size
     started = time.monotonic()
-
-    def superseded() -> bool:
-        return poll_reform(run) is not None
-
     new, restored = reforming.reform(
         trainer,
         reform.rank,
@@ -698,7 +700,7 @@ def _reform_once(
         corrupt_transfer=config.corrupt_peer_state and run.injector.enabled,
         parked=parked,
         snapshot_dir=config.snapshot_dir,
-        superseded=superseded,
+        superseded=lambda: reform_waiting(run),
     )
     if run.injector.enabled:
         new.grad_sync_hook = run.injector.in_grad_sync
