@@ -62,7 +62,9 @@ VENV_BIN = ROOT / ".venv" / "bin"
 
 JOB_SPEC = """\
 name: compose-test
-model: {num_layers: 2, hidden_size: 64, num_attention_heads: 4, seq_length: 32, vocab_size: 128}
+program:
+  entry_point: examples.gpt.train:main
+  args: [--num-layers, 2, --hidden-size, 64, --num-attention-heads, 4, --seq-length, 32, --vocab-size, 128]
 parallelism: {data: 4}
 training: {iterations: 120, global_batch_size: 16, micro_batch_size: 2, seed: 7}
 """

@@ -184,10 +184,18 @@ def print_job(job: common_pb2.Job, out: TextIO) -> None:
         f"shape      TP {par.tensor} x PP {par.pipeline} x DP {par.data} "
         f"(DP {par.min_data}..{par.max_data}), weight {spec.weight:g}\n"
     )
-    out.write(
-        f"model      GPT {spec.model.num_layers} layers, hidden {spec.model.hidden_size}, "
-        f"{spec.model.num_attention_heads} heads, seq {spec.model.seq_length}, vocab {spec.model.vocab_size}\n"
-    )
+    program = spec.program
+    what = program.entry_point or " ".join(program.command)
+    out.write(f"program    {' '.join([what, *program.args])}\n")
+    if spec.data.path:
+        out.write(
+            f"data       {spec.data.path}"
+            + (f" (tokenizer {spec.data.tokenizer})" if spec.data.tokenizer else "")
+            + "\n"
+        )
+    if job.failure_detail:
+        out.write("error      the program's traceback:\n")
+        out.write("".join(f"           {line}\n" for line in job.failure_detail.rstrip().splitlines()))
     progress = job.progress
     if progress.iteration:
         out.write(

@@ -1,12 +1,15 @@
-"""`make demo`: the whole system on this machine. Starts Redis, the coordinator, two
-planner replicas and two agents, submits a small GPT job spanning both agents, kills one of
-its ranks partway through (fault injection) so the self-healing loop shows, follows the job
-to its end, prints a summary with the incident and what it cost, and stops everything."""
+"""`make demo`: the whole system on this machine. Prepares the GPT example's data (the Python
+standard library's sources, BPE-tokenized), starts Redis, the coordinator, two planner replicas
+and two agents, submits a small GPT job spanning both agents, kills one of its ranks partway
+through (fault injection) so the self-healing loop shows, follows the job to its end, prints a
+summary with the incident and what it cost and a few tokens the trained model writes, and stops
+everything."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -37,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(args.run_dir) / time.strftime("%Y%m%d-%H%M%S")
     spec = jobspec.normalized(jobspec.load_spec_file(args.spec))
     started = time.monotonic()
+    if spec.data.path and not prepare_data(spec):
+        return 1
     say(f"starting Redis, coordinator, 2 planners, 2 agents (logs in {run_dir})")
     fault = None if args.fault == "none" else parse_fault(args.fault, jobspec.world_size(spec) - 1)
     cluster = LocalCluster(
@@ -54,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
             say(f"submitting {args.spec}")
             job = client.submit(spec)
             print(
-                f"submitted {job.job_id}: GPT {spec.model.num_layers} layers, "
+                f"submitted {job.job_id}: {spec.program.entry_point or spec.program.command[0]}, "
                 f"{jobspec.world_size(spec)} ranks, {spec.training.iterations} iterations"
             )
             if fault is not None:
@@ -81,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{job.progress.iteration} iterations, {trend}"
             )
             code = 0 if job.state == common_pb2.JOB_STATE_SUCCEEDED else 1
+            if code == 0 and spec.data.tokenizer:
+                show_generation(spec, run_dir / "agents" / "checkpoints" / job.job_id)
     except (UnicronError, ClientError) as exc:
         print(f"demo failed: {exc}", file=sys.stderr)
         code = 1
@@ -95,6 +102,32 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print("stopped: no Unicron process left running")
     return code
+
+
+def _absolute(path: str) -> str:
+    return path if not path or Path(path).is_absolute() else str(ROOT / path)
+
+
+def prepare_data(spec: common_pb2.JobSpec) -> bool:
+    """Builds the spec's data set when it is missing (examples.gpt.data), and makes its paths
+    absolute, as every agent must read them."""
+    spec.data.path, spec.data.tokenizer = _absolute(spec.data.path), _absolute(spec.data.tokenizer)
+    out = Path(spec.data.path).parent
+    say(f"preparing the data in {out} (once: Python's standard library, BPE-tokenized)")
+    done = subprocess.run(
+        [sys.executable, "-m", "examples.gpt.data", "--out", str(out)], cwd=ROOT, capture_output=True, text=True
+    )
+    print((done.stdout or done.stderr).strip().splitlines()[-1] if (done.stdout or done.stderr) else "")
+    return done.returncode == 0
+
+
+def show_generation(spec: common_pb2.JobSpec, checkpoints: Path, prompt: str = "def ") -> None:
+    """A few tokens the trained model writes after ``prompt`` (examples.gpt.generate)."""
+    say(f"what the trained model writes after {prompt!r}")
+    argv = [sys.executable, "-m", "examples.gpt.generate", "--checkpoint", str(checkpoints)]
+    argv += ["--tokenizer", spec.data.tokenizer, "--prompt", prompt, "--", *spec.program.args]
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
+    print(done.stdout.strip() if done.returncode == 0 else f"(no generation: {done.stderr.strip()[-300:]})")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@ class Action(Enum):
     RESTART = "restart process"
     RECONFIGURE = "reconfigure"
     REPORT = "report"
+    # A deterministic error of the job's own program: every retry would fail the same way.
+    FAIL = "fail the job"
 
 
 # A remedy that keeps failing is replaced by the next heavier one; RECONFIGURE is the last.
@@ -67,6 +69,9 @@ TAXONOMY: dict[pb.FailureKind, FailureClass] = {
         FailureClass(pb.FAILURE_KIND_CONNECTION_RESET, pb.SEVERITY_SEV3, Action.REATTEMPT, "connection reset"),
         FailureClass(pb.FAILURE_KIND_NETWORK_ERROR, pb.SEVERITY_SEV3, Action.REATTEMPT, "network error"),
         FailureClass(pb.FAILURE_KIND_STRAGGLER, pb.SEVERITY_SEV3, Action.REPORT, "straggler (slow rank)"),
+        FailureClass(
+            pb.FAILURE_KIND_PROGRAM_ERROR, pb.SEVERITY_SEV2, Action.FAIL, "error in the job's program (not retryable)"
+        ),
     )
 }
 

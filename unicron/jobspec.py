@@ -18,7 +18,6 @@ from unicron.v1 import common_pb2
 
 NAME_PATTERN = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 MAX_WORLD_SIZE = 4096
-MAX_MODEL_DIM = 65536
 
 _INTEGER_TYPES = {
     FieldDescriptor.TYPE_UINT32,
@@ -42,6 +41,8 @@ def _fill(message: Message, data: Any, path: str) -> None:
             continue
         if field.type == FieldDescriptor.TYPE_MESSAGE and field.message_type.GetOptions().map_entry:
             _fill_map(getattr(message, field.name), field.message_type, value, where)
+        elif field.label == FieldDescriptor.LABEL_REPEATED:
+            _fill_strings(getattr(message, field.name), value, where)
         elif field.type == FieldDescriptor.TYPE_MESSAGE:
             _fill(getattr(message, field.name), value, where)
         elif field.type in _INTEGER_TYPES:
@@ -68,11 +69,30 @@ def _fill(message: Message, data: Any, path: str) -> None:
             raise InvalidArgument(where, "unsupported field type")
 
 
+def _fill_strings(target: Any, data: Any, path: str) -> None:
+    """Lists of strings (a program's command and arguments)."""
+    if not isinstance(data, list):
+        raise InvalidArgument(path, "must be a list of strings")
+    for index, value in enumerate(data):
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            raise InvalidArgument(f"{path}[{index}]", f"must be a string, got {value!r}")
+        target.append(str(value))
+
+
 def _fill_map(target: Any, entry: Any, data: Any, path: str) -> None:
-    """Maps of integer keys to numbers (the throughput profile)."""
+    """Maps of integer keys to numbers (the throughput profile) and of names to strings (a
+    program's environment, data options)."""
     if not isinstance(data, Mapping):
         raise InvalidArgument(path, "must be a mapping")
     key_type = entry.fields_by_name["key"].type
+    if entry.fields_by_name["value"].type == FieldDescriptor.TYPE_STRING:
+        for key, value in data.items():
+            if not isinstance(key, str) or not key:
+                raise InvalidArgument(f"{path}[{key}]", "key must be a non-empty string")
+            if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+                raise InvalidArgument(f"{path}[{key}]", f"must be a string, got {value!r}")
+            target[key] = str(value)
+        return
     for key, value in data.items():
         where = f"{path}[{key}]"
         if key_type in _INTEGER_TYPES and (isinstance(key, bool) or not isinstance(key, int) or key < 0):
@@ -115,6 +135,7 @@ def with_defaults(spec: common_pb2.JobSpec) -> common_pb2.JobSpec:
     train.micro_batch_size = train.micro_batch_size or 1
     train.learning_rate = train.learning_rate or 1e-3
     train.checkpoint_interval = train.checkpoint_interval or DEFAULT_CHECKPOINT_INTERVAL
+    train.lr_decay_style = train.lr_decay_style or "constant"
     out.weight = out.weight or 1.0
     return out
 
@@ -132,33 +153,13 @@ def validate(spec: common_pb2.JobSpec) -> None:
         "spec.name",
         f"{spec.name!r} must be lowercase letters, digits and '-', 1-63 characters",
     )
-    _require(spec.HasField("model"), "spec.model", "is required")
-    model = spec.model
-    for field in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size"):
-        value = getattr(model, field)
-        _require(value > 0, f"spec.model.{field}", "is required and must be positive")
-        _require(value <= MAX_MODEL_DIM, f"spec.model.{field}", f"must be at most {MAX_MODEL_DIM}")
-    _require(
-        model.hidden_size % model.num_attention_heads == 0,
-        "spec.model.hidden_size",
-        f"{model.hidden_size} is not divisible by num_attention_heads {model.num_attention_heads}",
-    )
+    validate_program(spec.program)
     par = spec.parallelism
     _require(par.data > 0, "spec.parallelism.data", "is required and must be positive")
     _require(
         par.min_data <= par.data <= par.max_data,
         "spec.parallelism.data",
         f"must lie within min_data..max_data ({par.min_data}..{par.max_data})",
-    )
-    _require(
-        model.num_attention_heads % par.tensor == 0,
-        "spec.parallelism.tensor",
-        f"{par.tensor} does not divide num_attention_heads {model.num_attention_heads}",
-    )
-    _require(
-        model.num_layers % par.pipeline == 0,
-        "spec.parallelism.pipeline",
-        f"{par.pipeline} does not divide num_layers {model.num_layers}",
     )
     world = par.tensor * par.pipeline * par.max_data
     _require(world <= MAX_WORLD_SIZE, "spec.parallelism", f"asks for {world} ranks, over {MAX_WORLD_SIZE}")
@@ -176,6 +177,23 @@ def validate(spec: common_pb2.JobSpec) -> None:
         )
     _require(math.isfinite(spec.weight) and spec.weight > 0, "spec.weight", "must be a positive number")
     _require(math.isfinite(train.learning_rate), "spec.training.learning_rate", "must be a finite number")
+    est = spec.estimate
+    for name in ("parameters", "tokens_per_step"):
+        value = getattr(est, name)
+        _require(math.isfinite(value) and value >= 0, f"spec.estimate.{name}", "must be a non-negative number")
+    _require(
+        train.lr_decay_style in LR_DECAY_STYLES,
+        "spec.training.lr_decay_style",
+        f"{train.lr_decay_style!r} is not one of {', '.join(LR_DECAY_STYLES)}",
+    )
+    for name in ("min_learning_rate", "weight_decay"):
+        value = getattr(train, name)
+        _require(math.isfinite(value) and value >= 0, f"spec.training.{name}", "must be a non-negative number")
+    _require(
+        train.min_learning_rate <= train.learning_rate,
+        "spec.training.min_learning_rate",
+        "must not exceed learning_rate",
+    )
     allowed = set(allowed_sizes(spec))
     for size, flops in spec.throughput.items():
         _require(
@@ -186,16 +204,42 @@ def validate(spec: common_pb2.JobSpec) -> None:
         _require(math.isfinite(flops) and flops > 0, f"spec.throughput[{size}]", "must be a positive FLOP/s value")
 
 
+ENTRY_POINT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Settings of the trainer runtime itself, which a program's environment must not override.
+RESERVED_ENV_PREFIX = "UNICRON_TRAINER_"
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+
+
+def validate_program(program: common_pb2.ProgramSpec) -> None:
+    """The program's own fields: exactly one of entry point and command, well formed."""
+    _require(
+        bool(program.entry_point) != bool(program.command),
+        "spec.program",
+        "needs exactly one of entry_point (module:function) and command",
+    )
+    if program.entry_point:
+        _require(
+            bool(ENTRY_POINT.match(program.entry_point)),
+            "spec.program.entry_point",
+            f"{program.entry_point!r} is not of the form package.module:function",
+        )
+    if program.command:
+        _require(bool(program.command[0].strip()), "spec.program.command", "must start with the program to run")
+    for name in program.env:
+        _require(bool(ENV_NAME.match(name)), f"spec.program.env[{name}]", "is not a valid environment variable name")
+        _require(
+            not name.startswith(RESERVED_ENV_PREFIX),
+            f"spec.program.env[{name}]",
+            f"{RESERVED_ENV_PREFIX}* are the runtime's own settings",
+        )
+    for field, text in (("working_dir", program.working_dir), ("image", program.image)):
+        _require("\x00" not in text, f"spec.program.{field}", "must not contain NUL")
+
+
 def allowed_sizes(spec: common_pb2.JobSpec) -> list[int]:
     par = spec.parallelism
     return [par.tensor * par.pipeline * dp for dp in range(par.min_data, par.max_data + 1)]
-
-
-def model_parameters(model: common_pb2.ModelSpec) -> float:
-    """GPT parameter count (Megatron's formula: layers of attention and MLP with 4h FFN,
-    layer norms, untied input and output embeddings, learned positions)."""
-    layers, hidden, vocab, seq = model.num_layers, model.hidden_size, model.vocab_size, model.seq_length
-    return 12.0 * layers * hidden**2 + 13.0 * layers * hidden + (2 * vocab + seq) * hidden
 
 
 # fp32 parameters, gradients and Adam's two moments.

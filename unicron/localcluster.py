@@ -34,6 +34,30 @@ ROOT = Path(__file__).resolve().parent.parent
 COORDINATOR_LEASE_KEY = "unicron:coordinator:lease"
 
 
+GPT_ENTRY_POINT = "examples.gpt.train:main"
+
+
+def gpt_program(
+    num_layers: int = 2,
+    hidden_size: int = 64,
+    num_attention_heads: int = 4,
+    seq_length: int = 32,
+    vocab_size: int = 128,
+    **extra: int,
+) -> dict[str, object]:
+    """The job spec's ``program`` for the GPT example (examples/gpt) of this shape."""
+    shape = {
+        "num_layers": num_layers,
+        "hidden_size": hidden_size,
+        "num_attention_heads": num_attention_heads,
+        "seq_length": seq_length,
+        "vocab_size": vocab_size,
+        **extra,
+    }
+    args = [part for key, value in shape.items() for part in (f"--{key.replace('_', '-')}", str(value))]
+    return {"entry_point": GPT_ENTRY_POINT, "args": args}
+
+
 def tiny_gpt(name: str, data: int = 2, iterations: int = 100_000, seed: int = 3) -> common_pb2.JobSpec:
     """A GPT small enough for 0.05-0.1 s iterations on a CPU core: what end-to-end tests and
     benchmarks run on a local cluster (defaults filled, validated)."""
@@ -41,13 +65,7 @@ def tiny_gpt(name: str, data: int = 2, iterations: int = 100_000, seed: int = 3)
         jobspec.spec_from_dict(
             {
                 "name": name,
-                "model": {
-                    "num_layers": 2,
-                    "hidden_size": 64,
-                    "num_attention_heads": 4,
-                    "seq_length": 32,
-                    "vocab_size": 128,
-                },
+                "program": gpt_program(),
                 "parallelism": {"data": data},
                 "training": {"iterations": iterations, "global_batch_size": 8, "micro_batch_size": 2, "seed": seed},
             }

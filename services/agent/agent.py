@@ -736,6 +736,7 @@ class Agent:
             kind=error.kind,
             source=common_pb2.DETECTION_SOURCE_EXCEPTION,
             message=error.message,
+            stack_trace=error.traceback,
         )
         if error.HasField("first_seen"):
             report.first_seen.CopyFrom(error.first_seen)

@@ -600,8 +600,23 @@ class Coordinator:
             w.node_id == request.node_id and w.generation == request.generation and w.state == state.WORKER_STOPPING
             for w in job.workers
         )
-        if code != 0 and not stopping:
-            exited = request.exited.ToNanoseconds() / 1e9 if request.HasField("exited") else self.clock()
+        exited = request.exited.ToNanoseconds() / 1e9 if request.HasField("exited") else self.clock()
+        if (
+            code == 0
+            and not stopping
+            and iterations
+            and max(request.last_iteration, job.progress.iteration) < iterations
+        ):
+            # A clean exit before the last iteration is the program's doing (it returned early):
+            # restarting it would end the same way.
+            done = max(request.last_iteration, job.progress.iteration)
+            report = incidents.worker_exit_report(
+                request.node_id, job.job_id, request.generation, request.rank, 0, 0, "", exited
+            )
+            report.kind = common_pb2.FAILURE_KIND_PROGRAM_ERROR
+            report.message = f"the program exited 0 after iteration {done} of {iterations}, before its last"
+            self._record(report)
+        elif code != 0 and not stopping:
             self._record(
                 incidents.worker_exit_report(
                     request.node_id,
@@ -876,6 +891,8 @@ class Coordinator:
                 return None
             if remedy is None:
                 reason = f"{incident.summary}; {decision.reason}"
+                if incident.kind == common_pb2.FAILURE_KIND_PROGRAM_ERROR:
+                    job.failure_detail = incidents.program_traceback(incident)
                 commands = transitions.stop(job, now, reason, settings.ack_timeout_s, unreachable)
                 state.transition(job, state.FAILED, now, reason)
                 applied = True

@@ -110,10 +110,10 @@ def plan_request(
             hit_by_failure=job.job_id in hit,
             throughput=dict(job.spec.throughput),
         )
-        parameters = jobspec.model_parameters(job.spec.model)
-        if not job.spec.throughput:
+        parameters, tokens_per_step = estimate_of(job)
+        if not job.spec.throughput and parameters > 0 and tokens_per_step > 0:
             plan_job.estimate.parameters = parameters
-            plan_job.estimate.tokens_per_step = job.spec.training.global_batch_size * job.spec.model.seq_length
+            plan_job.estimate.tokens_per_step = tokens_per_step
         # A joining rank fetches its own shard of the state from a live peer, all shards in
         # parallel: the bytes on one link are the job's state over TP x PP.
         shards = max(1, par.tensor) * max(1, par.pipeline)
@@ -123,6 +123,22 @@ def plan_request(
             for node_id, count in slots_by_node(job).items():
                 plan_job.current[node_id] = count
     return request
+
+
+def estimate_of(job: common_pb2.Job) -> tuple[float, float]:
+    """(parameters, tokens per step) of a job for the planner's estimate: as its spec declares
+    them, else as its iterations reported them (FLOPs ~ 6 x parameters x tokens), else zeros
+    (the planner then assumes a per-slot rate)."""
+    declared = job.spec.estimate
+    if declared.parameters > 0 and declared.tokens_per_step > 0:
+        return declared.parameters, declared.tokens_per_step
+    progress = job.progress
+    if progress.iteration > 0 and progress.tokens > 0:
+        tokens_per_step = progress.tokens / progress.iteration
+        flops_per_step = progress.flops_per_second * progress.iteration_seconds
+        if flops_per_step > 0:
+            return flops_per_step / (6.0 * tokens_per_step), tokens_per_step
+    return 0.0, 0.0
 
 
 @dataclass(frozen=True)

@@ -132,6 +132,11 @@ def is_open(incident: pb.Incident, now: float, report: pb.FailureReport | None =
     return _seconds(report.first_seen) <= _seconds(incident.remedy_started)
 
 
+def program_traceback(incident: pb.Incident) -> str:
+    """The traceback of the program's error behind an incident (its first report with one)."""
+    return next((r.stack_trace for r in incident.reports if r.stack_trace), "")
+
+
 def worker_exit_report(
     node_id: str, job_id: str, generation: int, rank: int, exit_code: int, signal: int, detail: str, exited_at: float
 ) -> pb.FailureReport:

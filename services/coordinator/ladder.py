@@ -65,6 +65,8 @@ def choose(
         return Decision(None, f"{len(recent)} remedies within {window} did not keep the job healthy")
     failure = classify(kind)  # type: ignore[arg-type]
     name = kind_name(kind)  # type: ignore[arg-type]
+    if failure.action is Action.FAIL:
+        return Decision(None, f"{name}: the program fails the same way on every retry")
     if failure.action not in REMEDY_OF_ACTION:
         return Decision(None, f"{name} has no remedy")
     action: Action | None = failure.action

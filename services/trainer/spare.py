@@ -36,7 +36,7 @@ def main() -> int:
     import torch
     import torch.distributed  # noqa: F401
 
-    import services.trainer.gpt  # noqa: F401  (Megatron-Core)
+    import unicron.trainer.engine  # noqa: F401  (Megatron-Core)
     from services.trainer.__main__ import main as trainer_main
 
     # The agent hands ready spares out first (services/agent/spares.py).

@@ -18,14 +18,14 @@ import yaml
 
 from tests.e2e.conftest import running
 from unicron.client import UnicronClient
-from unicron.localcluster import ROOT, LocalCluster
+from unicron.localcluster import ROOT, LocalCluster, gpt_program
 from unicron.v1 import common_pb2
 
 pytestmark = pytest.mark.e2e
 
 SPEC = {
     "name": "e2e-gpt",
-    "model": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 32, "vocab_size": 128},
+    "program": gpt_program(),
     "parallelism": {"data": 4},
     "training": {"iterations": 12, "global_batch_size": 16, "micro_batch_size": 2, "learning_rate": 0.003, "seed": 7},
 }

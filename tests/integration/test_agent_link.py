@@ -170,7 +170,7 @@ def test_a_trainer_reformed_before_it_connected_gets_the_reform_with_its_welcome
 
 
 def test_a_trainer_the_agent_does_not_know_fails_to_connect_at_once(agent: Agent) -> None:
-    from services.trainer.agent_link import AgentLink, LinkCallbacks
+    from unicron.trainer.agent_link import AgentLink, LinkCallbacks
 
     link = AgentLink(
         agent.address,

@@ -21,7 +21,7 @@ def tiny_spec(name: str = "tiny", data: int = 2) -> common_pb2.JobSpec:
     return jobspec.spec_from_dict(
         {
             "name": name,
-            "model": {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "seq_length": 16, "vocab_size": 64},
+            "program": {"entry_point": "examples.gpt.train:main", "args": ["--hidden-size", "32"]},
             "parallelism": {"data": data},
             "training": {"iterations": 3, "global_batch_size": 4},
         }
@@ -59,11 +59,14 @@ def test_submit_get_list_cancel(control_plane: ControlPlane) -> None:
 BAD_SPECS = [
     ({"name": "Bad Name"}, "spec.name"),
     ({"name": ""}, "spec.name"),
-    ({"model": {"hidden_size": 30}}, "spec.model.hidden_size"),
-    ({"model": {"num_layers": 0}}, "spec.model.num_layers"),
+    ({"program": {"entry_point": "no colon"}}, "spec.program.entry_point"),
+    ({"program": {"entry_point": "", "command": []}}, "spec.program"),
+    ({"program": {"command": ["python"]}}, "spec.program"),  # and the entry point: two programs
+    ({"program": {"env": {"UNICRON_TRAINER_RANK": "3"}}}, "spec.program.env[UNICRON_TRAINER_RANK]"),
+    ({"estimate": {"parameters": -1.0}}, "spec.estimate.parameters"),
+    ({"training": {"lr_decay_style": "stepwise"}}, "spec.training.lr_decay_style"),
     ({"parallelism": {"data": 0}}, "spec.parallelism.data"),
     ({"parallelism": {"data": 2, "min_data": 3, "max_data": 4}}, "spec.parallelism.data"),
-    ({"parallelism": {"tensor": 3}}, "spec.parallelism.tensor"),
     ({"training": {"iterations": 0}}, "spec.training.iterations"),
     ({"training": {"global_batch_size": 3}}, "spec.training.global_batch_size"),
     ({"weight": -1.0}, "spec.weight"),
@@ -77,7 +80,14 @@ def test_bad_spec_is_invalid_argument_and_writes_nothing(control_plane: ControlP
     for key, value in change.items():
         if isinstance(value, dict):
             for sub_key, sub_value in value.items():
-                setattr(getattr(spec, key), sub_key, sub_value)
+                target = getattr(spec, key)
+                if isinstance(sub_value, list):
+                    del getattr(target, sub_key)[:]
+                    getattr(target, sub_key).extend(sub_value)
+                elif isinstance(sub_value, dict):
+                    getattr(target, sub_key).update(sub_value)
+                else:
+                    setattr(target, sub_key, sub_value)
         else:
             setattr(spec, key, value)
     before = snapshot(control_plane.redis)

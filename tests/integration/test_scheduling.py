@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import queue
+import time
+from typing import Any
 
 import grpc
 import pytest
@@ -57,6 +59,36 @@ def test_pending_job_is_placed_across_nodes_and_agents_get_start_commands(contro
         assert command.command_id
 
 
+def _report(stub: Any, job_id: str, iteration: int, loss: float) -> None:
+    reports = [
+        node_service_pb2.IterationReport(
+            job_id=job_id, generation=1, rank=rank, iteration=iteration, loss=loss, seconds=0.5, tokens=64, flops=1e9
+        )
+        for rank in range(4)
+    ]
+    stub.ReportProgress(node_service_pb2.ReportProgressRequest(node_id="n1", reports=reports), timeout=5)
+
+
+def test_a_clean_exit_before_the_last_iteration_fails_the_job_once(control_plane: ControlPlane) -> None:
+    job, _ = scheduled_job(control_plane)
+    stub = control_plane.node_stub()
+    _report(stub, job.job_id, 1, 4.0)
+    worker = job.assignment.workers[0]
+    stub.ReportWorkerExit(
+        node_service_pb2.ReportWorkerExitRequest(
+            node_id=worker.node_id, job_id=job.job_id, generation=1, rank=worker.ranks[0], exit_code=0, last_iteration=1
+        ),
+        timeout=5,
+    )
+    with control_plane.client() as client:
+        deadline = time.monotonic() + 10
+        while (done := client.get(job.job_id)).state != common_pb2.JOB_STATE_FAILED and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert done.state == common_pb2.JOB_STATE_FAILED, done.reason
+    assert "exited 0 after iteration 1 of 3, before its last" in done.reason
+    assert not done.remedies  # failed once: nothing was restarted
+
+
 def test_progress_then_clean_exits_succeed_the_job(control_plane: ControlPlane) -> None:
     job, _ = scheduled_job(control_plane)
     stub = control_plane.node_stub()
@@ -86,6 +118,7 @@ def test_progress_then_clean_exits_succeed_the_job(control_plane: ControlPlane) 
         assert running.progress.iteration == 2 and running.progress.loss == pytest.approx(3.5)
         assert running.progress.tokens == 128
         assert running.progress.flops_per_second == pytest.approx(2e9)
+        _report(stub, job.job_id, 3, 3.0)  # the last of the spec's 3 iterations
         for worker in job.assignment.workers:
             for rank in worker.ranks:
                 stub.ReportWorkerExit(

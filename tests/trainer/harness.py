@@ -21,8 +21,9 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 
-from services.trainer.__main__ import trainer_configs
+from tests.trainer.gpt import trainer_configs
 from unicron import rpc
+from unicron.localcluster import gpt_program
 from unicron.v1 import common_pb2, trainer_service_pb2_grpc
 from unicron.v1 import trainer_service_pb2 as pb
 
@@ -34,7 +35,7 @@ def tiny_spec(iterations: int, checkpoint_interval: int = 0) -> common_pb2.JobSp
     """A model small enough that a step takes milliseconds; startup dominates."""
     return common_pb2.JobSpec(
         name="tiny",
-        model=common_pb2.ModelSpec(num_layers=1, hidden_size=32, num_attention_heads=2, seq_length=16, vocab_size=64),
+        program=common_pb2.ProgramSpec(**gpt_program(1, 32, 2, 16, 64)),  # type: ignore[arg-type]
         parallelism=common_pb2.ParallelismSpec(tensor=1, pipeline=1, data=1),
         training=common_pb2.TrainingSpec(
             iterations=iterations,
@@ -90,12 +91,12 @@ def reference_run(spec: common_pb2.JobSpec, store: Path) -> tuple[list[float], d
     import torch
     import torch.distributed as dist
 
-    from services.trainer.gpt import GPTTrainer
+    from tests.trainer.gpt import gpt_trainer
 
     model, train = trainer_configs(spec)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     try:
-        trainer = GPTTrainer(model, train)
+        trainer = gpt_trainer(model, train)
         try:
             losses = [trainer.step().loss for _ in range(spec.training.iterations)]
             params = {

@@ -17,9 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from services.trainer import checkpoint
-from services.trainer.checkpoint import Layout
-from services.trainer.gpt import GPTTrainer, ModelConfig
+from tests.trainer.gpt import MegatronTrainer, ModelConfig, gpt_trainer
 from tests.trainer.harness import (
     FakeAgent,
     assert_same_params,
@@ -28,17 +26,11 @@ from tests.trainer.harness import (
     tiny_spec,
     trainer_configs,
 )
+from unicron.trainer import checkpoint
+from unicron.trainer.checkpoint import Layout
 
-LAYOUT = Layout(
-    num_layers=1,
-    hidden_size=8,
-    num_attention_heads=2,
-    seq_length=4,
-    vocab_size=16,
-    ffn_hidden_size=32,
-    tensor_parallel=1,
-    pipeline_parallel=1,
-)
+SHAPE = {"num_layers": 1, "hidden_size": 8, "num_attention_heads": 2, "seq_length": 4, "vocab_size": 16}
+LAYOUT = checkpoint.layout_of_config(SHAPE, 1, 1)
 SPEC = tiny_spec(iterations=6, checkpoint_interval=3)
 MODEL, TRAIN = trainer_configs(SPEC)
 
@@ -97,11 +89,11 @@ def test_truncated_or_missing_shard_falls_back(tmp_path: Path) -> None:
 
 def test_wrong_shape_or_split_falls_back_then_starts_fresh(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     _save(tmp_path, 3, 3.0)
-    _save(tmp_path, 6, 6.0, Layout(**{**LAYOUT.as_dict(), "hidden_size": 16}))
+    _save(tmp_path, 6, 6.0, checkpoint.layout_of_config({**SHAPE, "hidden_size": 16}, 1, 1))
     with caplog.at_level(logging.WARNING):
         assert _loaded_value(checkpoint.find_latest(tmp_path, LAYOUT)) == (3, 3.0)
     assert "another model or split" in caplog.text
-    other_split = Layout(**{**LAYOUT.as_dict(), "tensor_parallel": 2})
+    other_split = checkpoint.layout_of_config(SHAPE, 2, 1)
     assert checkpoint.find_latest(tmp_path, other_split) is None
 
 
@@ -119,7 +111,7 @@ def test_missing_or_garbled_manifest_means_incomplete(tmp_path: Path) -> None:
 def test_manifest_requires_every_shard(tmp_path: Path) -> None:
     record = checkpoint.write_shard(tmp_path, 3, 0, 0, _state(3.0))
     with pytest.raises(checkpoint.CheckpointError, match="do not cover"):
-        checkpoint.write_manifest(tmp_path, 3, Layout(**{**LAYOUT.as_dict(), "pipeline_parallel": 2}), [record])
+        checkpoint.write_manifest(tmp_path, 3, checkpoint.layout_of_config(SHAPE, 1, 2), [record])
     assert checkpoint.list_complete(tmp_path) == []
 
 
@@ -137,12 +129,12 @@ def test_prune_keeps_the_last_two_complete(tmp_path: Path) -> None:
 # --- exactness: stop at a checkpoint, resume in a new trainer, world 1 in this process ---------
 
 
-def _params(trainer: GPTTrainer) -> dict[str, torch.Tensor]:
+def _params(trainer: MegatronTrainer) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in trainer.model.state_dict().items() if isinstance(v, torch.Tensor)}
 
 
 def _train(steps: int, model: ModelConfig = MODEL) -> tuple[list[float], dict[str, torch.Tensor]]:
-    trainer = GPTTrainer(model, TRAIN)
+    trainer = gpt_trainer(model, TRAIN)
     try:
         return [trainer.step().loss for _ in range(steps)], _params(trainer)
     finally:
@@ -153,7 +145,7 @@ def test_resume_from_checkpoint_is_exact(world1: None, tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
     straight_losses, straight_params = _train(6)
 
-    first = GPTTrainer(MODEL, TRAIN)
+    first = gpt_trainer(MODEL, TRAIN)
     try:
         assert checkpoint.restore(first, root) == checkpoint.Restored(checkpoint.SOURCE_FRESH, 0)
         losses = [first.step().loss for _ in range(3)]
@@ -162,7 +154,7 @@ def test_resume_from_checkpoint_is_exact(world1: None, tmp_path: Path) -> None:
         first.close()
     assert checkpoint.list_complete(root) == [3]
 
-    second = GPTTrainer(MODEL, TRAIN)
+    second = gpt_trainer(MODEL, TRAIN)
     try:
         assert checkpoint.restore(second, root) == checkpoint.Restored(checkpoint.SOURCE_CHECKPOINT, 3)
         assert second.iteration == 3
@@ -179,7 +171,7 @@ def test_resume_from_checkpoint_is_exact(world1: None, tmp_path: Path) -> None:
     # The newest (6) is corrupt: every rank falls back to 3 and continues from there.
     shard = checkpoint.iteration_dir(root, 6) / checkpoint.shard_file(0, 0)
     shard.write_bytes(shard.read_bytes()[:-100])
-    third = GPTTrainer(MODEL, TRAIN)
+    third = gpt_trainer(MODEL, TRAIN)
     try:
         assert checkpoint.restore(third, root) == checkpoint.Restored(checkpoint.SOURCE_CHECKPOINT, 3)
         assert third.step().loss == straight_losses[3]
@@ -187,7 +179,7 @@ def test_resume_from_checkpoint_is_exact(world1: None, tmp_path: Path) -> None:
         third.close()
 
     # A job of another shape finds nothing it can use and starts fresh instead of crashing.
-    other = GPTTrainer(
+    other = gpt_trainer(
         ModelConfig(num_layers=1, hidden_size=16, num_attention_heads=2, seq_length=16, vocab_size=64), TRAIN
     )
     try:
@@ -232,7 +224,7 @@ def test_checkpoint_of_dp2_resumes_on_dp1(world1: None, tmp_path: Path) -> None:
     for i, (got, want) in enumerate(zip(losses, straight_losses, strict=True)):
         assert math.isclose(got, want, rel_tol=1e-5), f"iteration {i + 1}: loss {got} != {want}"
     assert checkpoint.list_complete(root) == [6, 3]
-    found = checkpoint.find_latest(root, checkpoint.layout_of_config(MODEL, 1, 1))
+    found = checkpoint.find_latest(root, checkpoint.layout_of_config(MODEL.as_dict(), 1, 1))
     assert found is not None and found[0] == 6
     # DP 2 then DP 1 against DP 1 throughout: equal up to float rounding.
     assert_same_params(found[1]["model"], straight_params)

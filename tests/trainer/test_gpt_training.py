@@ -19,13 +19,9 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from services.trainer.gpt import (
-    GPTTrainer,
-    ModelConfig,
-    StepResult,
-    TrainConfig,
-    model_flops_per_iteration,
-)
+from tests.trainer.gpt import ModelConfig, TrainConfig, gpt_trainer
+from unicron.trainer.engine import StepResult
+from unicron.trainer.program import ProgramError, Training
 
 # Workers get this on PYTHONPATH so `services` imports whatever the caller's cwd.
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -40,7 +36,7 @@ WORKER_TIMEOUT_S = 150
 
 
 def _train(steps: int, tensor_parallel: int = 1, pipeline_parallel: int = 1) -> list[StepResult]:
-    trainer = GPTTrainer(MODEL, TRAIN, tensor_parallel, pipeline_parallel)
+    trainer = gpt_trainer(MODEL, TRAIN, tensor_parallel, pipeline_parallel)
     try:
         return [trainer.step() for _ in range(steps)]
     finally:
@@ -112,7 +108,7 @@ def test_loss_falls_single_process(reference: list[StepResult]) -> None:
 def test_step_result_accounting(reference: list[StepResult]) -> None:
     assert [r.iteration for r in reference] == list(range(1, STEPS + 1))
     tokens = TRAIN.global_batch_size * MODEL.seq_length
-    flops = model_flops_per_iteration(MODEL, TRAIN.global_batch_size)
+    flops = MODEL.flops_per_token() * tokens
     for result in reference:
         assert result.tokens == tokens
         assert result.flops == flops > 0
@@ -147,17 +143,19 @@ def test_invalid_configs_raise() -> None:
         ModelConfig(hidden_size=0)
     with pytest.raises(ValueError, match="num_attention_heads"):
         ModelConfig(hidden_size=64, num_attention_heads=5)
-    with pytest.raises(ValueError, match="micro_batch_size"):
-        TrainConfig(global_batch_size=6, micro_batch_size=4)
-    with pytest.raises(ValueError, match="lr"):
-        TrainConfig(lr=0.0)
+    with pytest.raises(ProgramError, match="micro_batch_size"):
+        Training(global_batch_size=6, micro_batch_size=4)
+    with pytest.raises(ProgramError, match="learning_rate"):
+        Training(learning_rate=0.0)
+    with pytest.raises(ProgramError, match="lr_decay_style"):
+        Training(lr_decay_style="stepwise")
 
 
 def test_layout_must_fit_world(tmp_path: Path) -> None:
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/s", rank=0, world_size=1)
     try:
-        with pytest.raises(ValueError, match="TP\\*PP"):
-            GPTTrainer(MODEL, TRAIN, tensor_parallel=2)
+        with pytest.raises(ProgramError, match="tensor x pipeline"):
+            gpt_trainer(MODEL, TRAIN, tensor_parallel=2)
     finally:
         dist.destroy_process_group()
 

@@ -15,12 +15,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from services.trainer.megatron_cpu import cpu_mode
+from unicron.trainer.megatron_cpu import cpu_mode
 
 # isort: split
 from megatron.core import tensor_parallel
 
-from services.trainer.gpt import GPTTrainer, ModelConfig, TrainConfig
+from tests.trainer.gpt import MegatronTrainer, ModelConfig, TrainConfig, gpt_trainer
 
 
 def _broke(piece: str, detail: str) -> str:
@@ -44,12 +44,12 @@ def _shim_piece(piece: str) -> Iterator[None]:
 
 
 @pytest.fixture(scope="module")
-def trainer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GPTTrainer]:
+def trainer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MegatronTrainer]:
     store = tmp_path_factory.mktemp("shim") / "store"
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     try:
         with _shim_piece("building GPTModel, DDP and optimizer on CPU"):
-            built = GPTTrainer(ModelConfig(num_layers=1), TrainConfig(global_batch_size=2))
+            built = gpt_trainer(ModelConfig(num_layers=1), TrainConfig(global_batch_size=2))
         yield built
         built.close()
     finally:
@@ -96,14 +96,14 @@ def test_rng_tracker_fork_uses_cpu_generator() -> None:
     )
 
 
-def test_model_is_built_on_cpu(trainer: GPTTrainer) -> None:
+def test_model_is_built_on_cpu(trainer: MegatronTrainer) -> None:
     params = dict(trainer.model.named_parameters())
     assert params, _broke("GPTModel", "model has no parameters")
     off_cpu = [name for name, p in params.items() if p.device.type != "cpu"]
     assert not off_cpu, _broke("GPTModel use_cpu_initialization", f"params off CPU: {off_cpu}")
 
 
-def test_ddp_buffers_are_on_cpu(trainer: GPTTrainer) -> None:
+def test_ddp_buffers_are_on_cpu(trainer: MegatronTrainer) -> None:
     buffers = trainer.model.buffers
     assert buffers, _broke("DDP param/grad buffer", "DistributedDataParallel built no buffers")
     for buffer in buffers:
@@ -116,7 +116,7 @@ def test_ddp_buffers_are_on_cpu(trainer: GPTTrainer) -> None:
         )
 
 
-def test_one_training_step_runs_on_cpu(trainer: GPTTrainer) -> None:
+def test_one_training_step_runs_on_cpu(trainer: MegatronTrainer) -> None:
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     with _shim_piece("pipeline schedule / DDP all-reduce / Megatron optimizer"):
         result = trainer.step()

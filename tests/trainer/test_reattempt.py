@@ -12,11 +12,11 @@ from typing import Any, cast
 
 import pytest
 
-from services.trainer.__main__ import Decision, Run, TrainerConfig, after_failure
-from services.trainer.agent_link import AgentLink, LinkCallbacks
-from services.trainer.faults import FaultInjector, InjectedFailure
 from tests.trainer.harness import FakeAgent
 from unicron.faults import EXCEPTION_TEXTS
+from unicron.trainer.agent_link import AgentLink, LinkCallbacks
+from unicron.trainer.faults import FaultInjector, InjectedFailure
+from unicron.trainer.runtime import Decision, Run, TrainerConfig, after_failure
 from unicron.v1 import common_pb2
 from unicron.v1 import trainer_service_pb2 as pb
 

@@ -23,19 +23,6 @@ from typing import Any, cast
 import pytest
 import torch
 
-from services.trainer import checkpoint
-from services.trainer.__main__ import (
-    Decision,
-    Run,
-    TrainerConfig,
-    after_failure,
-    poll_reform,
-    reform_overdue,
-    watch_reforms,
-)
-from services.trainer.agent_link import AgentLink, LinkCallbacks
-from services.trainer.faults import FaultInjector, InjectedFailure
-from services.trainer.reform import NO_STATE, StateError, make_plan, snapshot_of
 from tests.trainer.harness import (
     ProcessKey,
     RankResult,
@@ -48,6 +35,19 @@ from tests.trainer.harness import (
     trainer_configs,
 )
 from unicron.faults import EXCEPTION_TEXTS
+from unicron.trainer import checkpoint
+from unicron.trainer.agent_link import AgentLink, LinkCallbacks
+from unicron.trainer.faults import FaultInjector, InjectedFailure
+from unicron.trainer.reform import NO_STATE, StateError, make_plan, snapshot_of
+from unicron.trainer.runtime import (
+    Decision,
+    Run,
+    TrainerConfig,
+    after_failure,
+    poll_reform,
+    reform_overdue,
+    watch_reforms,
+)
 from unicron.v1 import common_pb2
 from unicron.v1 import trainer_service_pb2 as pb
 
@@ -165,7 +165,7 @@ def test_a_reform_is_overdue_after_a_while_and_several_steps(
 
 
 def test_a_rank_stuck_in_its_old_group_with_a_reform_waiting_exits(monkeypatch: pytest.MonkeyPatch) -> None:
-    from services.trainer import __main__ as trainer_main
+    from unicron.trainer import runtime as trainer_main
 
     monkeypatch.setattr(trainer_main, "REFORM_OVERDUE_MIN_S", 0.2)
     run, _ = _run()
@@ -213,13 +213,13 @@ def test_a_reform_superseded_while_waiting_for_its_group_joins_the_newer_one_wit
     one with the state it had instead of failing."""
     import torch.distributed as dist
 
-    from services.trainer.__main__ import apply_reform
-    from services.trainer.gpt import GPTTrainer
+    from tests.trainer.gpt import gpt_trainer
+    from unicron.trainer.loop import apply_reform
 
     run, link = _run()
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
-        trainer = GPTTrainer(*trainer_configs(tiny_spec(4)))
+        trainer = gpt_trainer(*trainer_configs(tiny_spec(4)))
         trainer.step()
         before = {k: v.detach().clone() for k, v in trainer.model.state_dict().items() if isinstance(v, torch.Tensor)}
         nobody = free_port()  # generation 2's store never comes up
@@ -243,8 +243,8 @@ def test_a_reform_superseded_while_waiting_for_its_group_joins_the_newer_one_wit
 
 
 def test_a_reform_that_cannot_form_its_group_and_gets_no_newer_one_fails(monkeypatch: pytest.MonkeyPatch) -> None:
-    from services.trainer import reform as reforming
-    from services.trainer.__main__ import apply_reform
+    from unicron.trainer import reform as reforming
+    from unicron.trainer.loop import apply_reform
 
     with pytest.raises(reforming.Superseded):
         reforming.join(1, 2, "127.0.0.1", free_port(), timeout=30, superseded=lambda: True)
@@ -293,7 +293,9 @@ def _compare_with_reference(
     want_losses, want_params = reference_run(spec, store)
     for i, want in enumerate(want_losses, start=1):
         assert math.isclose(losses[i], want, rel_tol=1e-5), f"iteration {i}: loss {losses[i]} != {want}"
-    found = checkpoint.find_latest(root, checkpoint.layout_of_config(trainer_configs(spec)[0], tensor_parallel, 1))
+    found = checkpoint.find_latest(
+        root, checkpoint.layout_of_config(trainer_configs(spec)[0].as_dict(), tensor_parallel, 1)
+    )
     assert found is not None and found[0] == spec.training.iterations
     assert_same_params(found[1]["model"], want_params)
 
@@ -494,12 +496,12 @@ def _leave_inside_a_step(rank: int, port: int, results: Any, done: Any) -> None:
     import time
     from datetime import timedelta
 
-    from services.trainer import reform
-    from services.trainer.gpt import GPTTrainer
+    from tests.trainer.gpt import gpt_trainer
+    from unicron.trainer import reform
 
     model, train = trainer_configs(reform_spec())
     reform.join(rank, 2, "127.0.0.1", port, 30)
-    trainer = GPTTrainer(model, train, timeout=timedelta(seconds=30))
+    trainer = gpt_trainer(model, train, timeout=timedelta(seconds=30))
     trainer.step()
     if rank == 1:
 

@@ -11,22 +11,22 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.trainer import checkpoint, snapshot
-from services.trainer.gpt import GPTTrainer, ModelConfig
+from tests.trainer.gpt import MegatronTrainer, ModelConfig, gpt_trainer
 from tests.trainer.harness import relative_difference, tiny_spec, trainer_configs
+from unicron.trainer import checkpoint, snapshot
 
 SPEC = tiny_spec(iterations=6)
 MODEL, TRAIN = trainer_configs(SPEC)
 
 
-def _params(trainer: GPTTrainer) -> dict[str, torch.Tensor]:
+def _params(trainer: MegatronTrainer) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in trainer.model.state_dict().items() if isinstance(v, torch.Tensor)}
 
 
 def _run_until(steps: int, snaps: Path, ckpt: Path, checkpoint_at: int, every: int = 1) -> list[float]:
     """Trains a fresh trainer for ``steps`` iterations, snapshotting every ``every`` and saving a
     checkpoint after ``checkpoint_at``; the process "dies" after that (the trainer is dropped)."""
-    trainer = GPTTrainer(MODEL, TRAIN)
+    trainer = gpt_trainer(MODEL, TRAIN)
     writer = snapshot.SnapshotWriter(snaps, rank=0, every=every)
     losses = []
     try:
@@ -45,7 +45,7 @@ def test_a_restart_takes_the_newer_snapshot_and_ends_exactly_where_a_straight_ru
     world1: None, tmp_path: Path
 ) -> None:
     snaps, ckpt = tmp_path / "snaps", tmp_path / "ckpt"
-    straight = GPTTrainer(MODEL, TRAIN)
+    straight = gpt_trainer(MODEL, TRAIN)
     try:
         straight_losses = [straight.step().loss for _ in range(6)]
         straight_params = _params(straight)
@@ -60,7 +60,7 @@ def test_a_restart_takes_the_newer_snapshot_and_ends_exactly_where_a_straight_ru
         "iter_00000004.sha256",
         "iter_00000004.snap",
     ]
-    resumed = GPTTrainer(MODEL, TRAIN)
+    resumed = gpt_trainer(MODEL, TRAIN)
     try:
         restored = snapshot.restore_nearest(resumed, str(ckpt), str(snaps))
         assert restored == checkpoint.Restored(snapshot.SOURCE_SNAPSHOT, 4)
@@ -79,7 +79,7 @@ def test_a_corrupt_snapshot_falls_back_to_an_older_one_then_to_the_checkpoint(
     _run_until(4, snaps, ckpt, checkpoint_at=2)
     newest = snaps / "rank0" / "iter_00000004.snap"
     newest.write_bytes(newest.read_bytes()[:-50])
-    trainer = GPTTrainer(MODEL, TRAIN)
+    trainer = gpt_trainer(MODEL, TRAIN)
     try:
         with caplog.at_level(logging.WARNING):
             assert snapshot.restore_nearest(trainer, str(ckpt), str(snaps)) == checkpoint.Restored("snapshot", 3)
@@ -94,12 +94,12 @@ def test_a_corrupt_snapshot_falls_back_to_an_older_one_then_to_the_checkpoint(
 def test_a_snapshot_no_newer_than_the_checkpoint_or_of_another_model_is_not_used(world1: None, tmp_path: Path) -> None:
     snaps, ckpt = tmp_path / "snaps", tmp_path / "ckpt"
     _run_until(4, snaps, ckpt, checkpoint_at=4, every=2)
-    trainer = GPTTrainer(MODEL, TRAIN)
+    trainer = gpt_trainer(MODEL, TRAIN)
     try:
         assert snapshot.restore_nearest(trainer, str(ckpt), str(snaps)) == checkpoint.Restored("checkpoint", 4)
     finally:
         trainer.close()
-    other = GPTTrainer(
+    other = gpt_trainer(
         ModelConfig(num_layers=1, hidden_size=16, num_attention_heads=2, seq_length=16, vocab_size=64), TRAIN
     )
     try:
@@ -110,7 +110,7 @@ def test_a_snapshot_no_newer_than_the_checkpoint_or_of_another_model_is_not_used
 
 
 def test_a_snapshot_due_while_one_is_being_written_is_skipped(world1: None, tmp_path: Path) -> None:
-    trainer = GPTTrainer(MODEL, TRAIN)
+    trainer = gpt_trainer(MODEL, TRAIN)
     writer = snapshot.SnapshotWriter(tmp_path, rank=0, every=2)
     try:
         trainer.step()

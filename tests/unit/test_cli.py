@@ -29,10 +29,10 @@ def test_unreachable_coordinator_is_one_line(capsys: pytest.CaptureFixture[str])
 
 def test_bad_spec_is_reported_before_any_rpc(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     spec = tmp_path / "job.yaml"
-    spec.write_text("name: x\nmodel: {hidden_size: 30, num_attention_heads: 4}\n")
+    spec.write_text("name: x\nprogram: {entry_point: 'train.py'}\n")
     code, _, err = run(capsys, "--coordinator", f"127.0.0.1:{free_port()}", "submit", str(spec))
     assert code == cli.EXIT_USAGE
-    assert err.startswith("unicron: spec.model.num_layers: ") and err.count("\n") == 1
+    assert err.startswith("unicron: spec.program.entry_point: ") and err.count("\n") == 1
 
 
 def test_missing_spec_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

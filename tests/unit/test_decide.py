@@ -230,10 +230,30 @@ def test_live_map_only_for_a_job_that_is_simply_training() -> None:
 def test_a_joining_rank_fetches_its_own_shard_of_the_state_from_a_peer() -> None:
     job = common_pb2.Job(job_id="j", spec=spec(), state=state.PENDING)
     job.spec.parallelism.tensor, job.spec.parallelism.pipeline = 2, 2
+    job.spec.estimate.parameters, job.spec.estimate.tokens_per_step = 1.5e6, 512
     (plan_job,) = decide.plan_request([job], [node("a", 0)], 1e-6, 1.0).jobs
-    whole = jobspec.model_parameters(job.spec.model) * jobspec.STATE_BYTES_PER_PARAMETER
+    assert plan_job.estimate.parameters == 1.5e6 and plan_job.estimate.tokens_per_step == 512
+    whole = 1.5e6 * jobspec.STATE_BYTES_PER_PARAMETER
     assert plan_job.transition.state_bytes == pytest.approx(whole / 4)
     assert plan_job.transition.bandwidth_bytes_per_second == jobspec.STATE_TRANSFER_BYTES_PER_S
+
+
+@pytest.mark.parametrize(
+    ("declared", "iteration", "tokens", "flops_per_s", "seconds", "want"),
+    [
+        ((2e6, 1e4), 0, 0, 0.0, 0.0, (2e6, 1e4)),  # declared in the spec
+        ((0.0, 0.0), 4, 4096, 6e9 * 1024 / 0.5, 0.5, (1e9, 1024)),  # measured by the iterations
+        ((0.0, 0.0), 0, 0, 0.0, 0.0, (0.0, 0.0)),  # neither: the planner's per-slot rate
+    ],
+)
+def test_estimate_is_declared_or_measured(
+    declared: tuple[float, float], iteration: int, tokens: int, flops_per_s: float, seconds: float, want: tuple
+) -> None:
+    job = common_pb2.Job(job_id="j", spec=spec())
+    job.spec.estimate.parameters, job.spec.estimate.tokens_per_step = declared
+    job.progress.iteration, job.progress.tokens = iteration, tokens
+    job.progress.flops_per_second, job.progress.iteration_seconds = flops_per_s, seconds
+    assert decide.estimate_of(job) == pytest.approx(want)
 
 
 def _rendezvous(addr: str, port: int, job_state: int = common_pb2.JOB_STATE_RUNNING) -> common_pb2.Job:

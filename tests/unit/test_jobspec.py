@@ -21,11 +21,15 @@ def test_example_spec_is_valid() -> None:
     ("data", "field"),
     [
         ({"nmae": "x"}, "nmae"),
-        ({"model": {"layers": 2}}, "model.layers"),
-        ({"model": {"num_layers": "two"}}, "model.num_layers"),
-        ({"model": {"num_layers": -1}}, "model.num_layers"),
-        ({"model": {"num_layers": True}}, "model.num_layers"),
-        ({"model": 3}, "model"),
+        ({"model": {"num_layers": 2}}, "model"),  # the shape is the program's own now
+        ({"program": {"entrypoint": "a:b"}}, "program.entrypoint"),
+        ({"program": {"args": "--lr 3"}}, "program.args"),
+        ({"program": {"args": [{"lr": 3}]}}, "program.args[0]"),
+        ({"program": {"env": {"A": ["x"]}}}, "program.env[A]"),
+        ({"program": {"env": ["A=1"]}}, "program.env"),
+        ({"training": {"iterations": -1}}, "training.iterations"),
+        ({"training": {"iterations": True}}, "training.iterations"),
+        ({"program": 3}, "program"),
         ({"weight": "heavy"}, "weight"),
         ({"preemptible": "yes"}, "preemptible"),
         ({"name": 5}, "name"),
@@ -35,6 +39,40 @@ def test_example_spec_is_valid() -> None:
 def test_malformed_yaml_names_the_field(data: object, field: str) -> None:
     with pytest.raises(InvalidArgument) as error:
         jobspec.spec_from_dict(data)
+    assert error.value.field == field
+
+
+def test_program_and_data_are_read_as_given() -> None:
+    spec = jobspec.spec_from_dict(
+        {
+            "program": {"entry_point": "pkg.train:main", "args": ["--lr", 3e-4, 7], "env": {"OMP_NUM_THREADS": 1}},
+            "data": {"path": "/data/corpus", "tokenizer": "/data/tok.json", "options": {"split": "99,1,0"}},
+            "estimate": {"parameters": 1.2e9, "tokens_per_step": 524288},
+        }
+    )
+    assert list(spec.program.args) == ["--lr", "0.0003", "7"]
+    assert dict(spec.program.env) == {"OMP_NUM_THREADS": "1"}
+    assert spec.data.options["split"] == "99,1,0" and spec.estimate.parameters == 1.2e9
+
+
+@pytest.mark.parametrize(
+    ("program", "field"),
+    [
+        ({}, "spec.program"),
+        ({"entry_point": "a:b", "command": ["python", "t.py"]}, "spec.program"),
+        ({"entry_point": "train.py"}, "spec.program.entry_point"),
+        ({"entry_point": "pkg.mod:"}, "spec.program.entry_point"),
+        ({"command": [" "]}, "spec.program.command"),
+        ({"entry_point": "a:b", "env": {"1X": "y"}}, "spec.program.env[1X]"),
+        ({"entry_point": "a:b", "env": {"UNICRON_TRAINER_SPEC": "{}"}}, "spec.program.env[UNICRON_TRAINER_SPEC]"),
+    ],
+)
+def test_a_bad_program_names_the_field(program: dict, field: str) -> None:
+    spec = jobspec.load_spec_file(EXAMPLE)
+    spec.ClearField("program")
+    spec.MergeFrom(jobspec.spec_from_dict({"program": program}))
+    with pytest.raises(InvalidArgument) as error:
+        jobspec.normalized(spec)
     assert error.value.field == field
 
 

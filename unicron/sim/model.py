@@ -10,7 +10,7 @@ Throughput profile. T(x) for every allowed size comes from the planner's own est
 (``services.planner.domain.ThroughputEstimate``: 6 x parameters x tokens per step, 40% MFU on
 H100 bf16 peak, an exposed ring all-reduce of fp32 gradients), so it is sub-linear in the
 data-parallel degree exactly as the planner assumes; parameters come from the model shape by
-the project's formula (``unicron.jobspec.model_parameters``). The profile is handed to the
+Megatron's formula (``gpt_parameters``). The profile is handed to the
 planner as a measured profile (sizes -> FLOP/s), which also lists the sizes a job may take.
 
 Workloads (``workload``): the 128-GPU cluster runs four jobs of 1.3B-13B parameters with
@@ -29,12 +29,17 @@ from functools import cached_property
 from services.planner.domain import ThroughputEstimate
 from unicron import jobspec
 from unicron.errors import InvalidArgument
-from unicron.v1 import common_pb2 as pb
 
 GPUS_PER_NODE = 8
 TENSOR_PARALLEL = GPUS_PER_NODE
 VOCAB = 128_256  # Llama 3's tokenizer
 SEQ_LENGTH = 8_192
+
+
+def gpt_parameters(layers: int, hidden: int, vocab: int, seq_length: int) -> float:
+    """GPT parameter count (attention and a 4h MLP per layer, layer norms, untied input and
+    output embeddings, learned positions)."""
+    return 12.0 * layers * hidden**2 + 13.0 * layers * hidden + (2 * vocab + seq_length) * hidden
 
 
 def _require(ok: bool, name: str, problem: str) -> None:
@@ -77,8 +82,7 @@ class JobModel:
 
     @cached_property
     def parameters(self) -> float:
-        spec = pb.ModelSpec(num_layers=self.layers, hidden_size=self.hidden, vocab_size=VOCAB, seq_length=SEQ_LENGTH)
-        return jobspec.model_parameters(spec)
+        return gpt_parameters(self.layers, self.hidden, VOCAB, SEQ_LENGTH)
 
     @cached_property
     def estimate(self) -> ThroughputEstimate:

@@ -36,7 +36,7 @@ from services.planner import server as planner_server
 from services.planner import solver
 from services.planner.domain import DEFAULT_DP_BANDWIDTH_BYTES_PER_S
 from unicron.sim.engine import JobRun, Sim
-from unicron.sim.model import GPUS_PER_NODE, SEQ_LENGTH, VOCAB, JobModel
+from unicron.sim.model import GPUS_PER_NODE, SEQ_LENGTH, JobModel
 from unicron.v1 import common_pb2 as pb
 from unicron.v1 import planner_service_pb2
 
@@ -68,10 +68,9 @@ class PlanStats:
 def job_spec(model: JobModel) -> pb.JobSpec:
     """The job as a user would submit it: model shape, parallelism, weight, profile."""
     spec = pb.JobSpec(name=model.job_id, weight=model.weight, preemptible=True)
-    spec.model.num_layers = model.layers
-    spec.model.hidden_size = model.hidden
-    spec.model.vocab_size = VOCAB
-    spec.model.seq_length = SEQ_LENGTH
+    spec.program.entry_point = "examples.gpt.train:main"
+    spec.estimate.parameters = model.parameters
+    spec.estimate.tokens_per_step = float(model.global_batch * SEQ_LENGTH)
     spec.parallelism.tensor = model.tensor
     spec.parallelism.pipeline = model.pipeline
     spec.parallelism.data = model.start_dp

@@ -37,7 +37,7 @@ import re
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from services.trainer.gpt import GPTTrainer, ModelConfig
+    from unicron.trainer.engine import MegatronTrainer
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,8 @@ MANIFEST = "manifest.json"
 KEEP = 2
 SOURCE_CHECKPOINT = "checkpoint"
 SOURCE_FRESH = "fresh"
+# What every state copy (checkpoint, snapshot, peer transfer) carries besides the iteration.
+STATE_KEYS = ("model", "optimizer", "scheduler", "rng")
 
 _DIR_RE = re.compile(r"^iter_(\d+)$")
 
@@ -65,36 +67,27 @@ class CheckpointError(Exception):
 
 @dataclass(frozen=True)
 class Layout:
-    """What a checkpoint must match to be loaded: the model's shape and its TP x PP split."""
+    """What a checkpoint must match to be loaded: the program's description of its model (its
+    shape) and the TP x PP split."""
 
-    num_layers: int
-    hidden_size: int
-    num_attention_heads: int
-    seq_length: int
-    vocab_size: int
-    ffn_hidden_size: int
+    model: str  # the description as canonical JSON, so that layouts compare as text
     tensor_parallel: int
     pipeline_parallel: int
 
-    def as_dict(self) -> dict[str, int]:
-        return asdict(self)
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "model": json.loads(self.model),
+            "tensor_parallel": self.tensor_parallel,
+            "pipeline_parallel": self.pipeline_parallel,
+        }
 
 
-def layout_of_config(model: ModelConfig, tensor_parallel: int, pipeline_parallel: int) -> Layout:
-    return Layout(
-        num_layers=model.num_layers,
-        hidden_size=model.hidden_size,
-        num_attention_heads=model.num_attention_heads,
-        seq_length=model.seq_length,
-        vocab_size=model.vocab_size,
-        ffn_hidden_size=model.ffn_size,
-        tensor_parallel=tensor_parallel,
-        pipeline_parallel=pipeline_parallel,
-    )
+def layout_of_config(description: dict[str, Any], tensor_parallel: int, pipeline_parallel: int) -> Layout:
+    return Layout(json.dumps(description, sort_keys=True, default=str), tensor_parallel, pipeline_parallel)
 
 
-def layout_of(trainer: GPTTrainer) -> Layout:
-    return layout_of_config(trainer.model_config, trainer.tensor_parallel, trainer.pipeline_parallel)
+def layout_of(trainer: MegatronTrainer) -> Layout:
+    return layout_of_config(trainer.program.describe(), trainer.tensor_parallel, trainer.pipeline_parallel)
 
 
 @dataclass(frozen=True)
@@ -311,7 +304,7 @@ def flag_device() -> torch.device:
     return torch.device("cpu")
 
 
-def save(trainer: GPTTrainer, root: str | Path) -> bool:
+def save(trainer: MegatronTrainer, root: str | Path) -> bool:
     """Collective: every rank of the job calls it after the same iteration. Returns whether the
     checkpoint became complete (known on global rank 0; other ranks return True once their
     part is done). A failure to write is logged, never raised: training goes on."""
@@ -326,7 +319,7 @@ def save(trainer: GPTTrainer, root: str | Path) -> bool:
                 iteration,
                 tp_rank,
                 pp_rank,
-                {"model": state["model"], "optimizer": state["optimizer"], "layout": layout_of(trainer).as_dict()},
+                {**state_parts(state), "layout": layout_of(trainer).as_dict()},
             )
         except Exception as exc:  # noqa: BLE001 - reported through the gather, then logged
             record = f"rank {dist.get_rank()} could not write tp{tp_rank}_pp{pp_rank}: {exc}"
@@ -349,6 +342,12 @@ def save(trainer: GPTTrainer, root: str | Path) -> bool:
         extra={"iteration": iteration, "checkpoint": str(iteration_dir(root, iteration)), "deleted": deleted},
     )
     return True
+
+
+def state_parts(state: dict[str, Any]) -> dict[str, Any]:
+    """The parts of a rank's state that every copy carries besides its iteration: the model,
+    the optimizer, the LR scheduler and the RNG states."""
+    return {key: state[key] for key in STATE_KEYS if key in state}
 
 
 def fits(current: dict[str, Any]) -> Callable[[dict[str, Any]], None]:
@@ -374,7 +373,7 @@ def fits(current: dict[str, Any]) -> Callable[[dict[str, Any]], None]:
     return check
 
 
-def restore(trainer: GPTTrainer, root: str | Path) -> Restored:
+def restore(trainer: MegatronTrainer, root: str | Path) -> Restored:
     """Collective: every rank calls it before training. Loads the newest checkpoint that is
     good on every rank into ``trainer`` (which then continues from its iteration), or leaves
     the fresh model when there is none."""
@@ -389,8 +388,7 @@ def restore(trainer: GPTTrainer, root: str | Path) -> Restored:
         flag = torch.tensor([0 if payload is None else 1], dtype=torch.int32, device=flag_device())
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         if int(flag.item()) == 1 and payload is not None:
-            state = {"model": payload["model"], "optimizer": payload["optimizer"], "iteration": iteration}
-            trainer.load_state_dict(state)
+            trainer.load_state_dict({**state_parts(payload), "iteration": iteration})
             log.info(
                 "resumed from checkpoint",
                 extra={"iteration": iteration, "checkpoint": str(iteration_dir(root, iteration))},

@@ -3,14 +3,14 @@
 The agent's ``reform`` answer (``AgentReform``: new generation, rank, world size and rendezvous)
 serves both a reattempt with the same members on a fresh rendezvous and a resize of the
 data-parallel degree. This module is the core of it, free of gRPC so tests can drive it
-directly; ``services/trainer/__main__.py`` decides when to call it.
+directly; ``unicron/trainer/__main__.py`` decides when to call it.
 
 ``reform()`` on a rank that keeps its state:
 
-1. ``capture()``: the rank's training state (``GPTTrainer.state_dict()``: iteration, model slice,
+1. ``capture()``: the rank's training state (``MegatronTrainer.state_dict()``: iteration, model slice,
    optimizer state) serialized with ``torch.save`` into bytes, a copy independent of the
    trainer, and the sha256 of those bytes;
-2. ``teardown()``: Megatron's parallel state (``GPTTrainer.close()``) and the whole
+2. ``teardown()``: Megatron's parallel state (``MegatronTrainer.close()``) and the whole
    ``torch.distributed`` world (``dist.destroy_process_group()``). With gloo this does not hang
    on a broken group: destroying only closes this process's sockets and joins its gloo worker
    threads, which are idle unless a collective is still in flight, and a collective in flight
@@ -20,7 +20,7 @@ directly; ``services/trainer/__main__.py`` decides when to call it.
    only forgets the group), so nothing faster than the collective timeout exists on gloo;
 3. ``join()``: the ranks meet on rank 0's store at ``master_addr:master_port`` (a wait that a
    newer reform interrupts), then ``init_process_group`` with the new rank and world size, the
-   same backend and collective timeout, then a fresh ``GPTTrainer`` with the old one's
+   same backend and collective timeout, then a fresh ``MegatronTrainer`` with the old one's
    model/training configuration and TP/PP (the DP degree follows from the new world);
 4. ``exchange_state()``: every rank of the new group, with or without state, takes part.
 
@@ -54,7 +54,7 @@ without state, e.g. a new process started for a grow):
 The result's source is ``live`` for a rank that kept its own state, ``peer`` for one that
 received it, or the checkpoint module's ``checkpoint`` / ``fresh`` after a fallback, with the
 iteration the state was at. The rank continues from that iteration: the data position follows
-from it, and ``GPTTrainer`` re-splits the global batch over the new DP degree.
+from it, and ``MegatronTrainer`` re-splits the global batch over the new DP degree.
 """
 
 from __future__ import annotations
@@ -73,9 +73,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from services.trainer import checkpoint
-from services.trainer.gpt import GPTTrainer, PartialStep
-from services.trainer.snapshot import restore_nearest
+from unicron.trainer import checkpoint
+from unicron.trainer.engine import MegatronTrainer, PartialStep
+from unicron.trainer.snapshot import restore_nearest
 
 # isort: split
 from megatron.core import parallel_state
@@ -116,7 +116,7 @@ class Snapshot:
             )
 
     def decode(self) -> dict[str, Any]:
-        """The verified state as ``GPTTrainer.load_state_dict`` takes it; StateError otherwise."""
+        """The verified state as ``MegatronTrainer.load_state_dict`` takes it; StateError otherwise."""
         self.verify()
         try:
             state = torch.load(io.BytesIO(self.data), map_location="cpu", weights_only=True)
@@ -137,7 +137,7 @@ def snapshot_of(state: dict[str, Any]) -> Snapshot:
     return Snapshot(int(state["iteration"]), data, hashlib.sha256(data).hexdigest())
 
 
-def capture(trainer: GPTTrainer) -> Snapshot:
+def capture(trainer: MegatronTrainer) -> Snapshot:
     """A copy of ``trainer``'s state that outlives the trainer and its process group."""
     return snapshot_of(trainer.state_dict())
 
@@ -156,7 +156,7 @@ def _forget_megatron_groups() -> None:
             setattr(parallel_state, name, None)
 
 
-def teardown(trainer: GPTTrainer | None) -> str:
+def teardown(trainer: MegatronTrainer | None) -> str:
     """Destroys Megatron's parallel state and the whole torch.distributed world, releasing
     ``trainer``'s model and optimizer (see the module docstring on why this does not hang with
     gloo). Returns the backend that was in use.
@@ -182,14 +182,14 @@ def teardown(trainer: GPTTrainer | None) -> str:
 class Parked:
     """A rank that left its process group after an error: its state for the next group (None:
     it has none worth keeping), and what the failed step had computed
-    (``GPTTrainer.partial_step``)."""
+    (``MegatronTrainer.partial_step``)."""
 
     snapshot: Snapshot | None
     backend: str
     partial: PartialStep | None
 
 
-def park(trainer: GPTTrainer) -> Parked:
+def park(trainer: MegatronTrainer) -> Parked:
     """Captures ``trainer``'s state and leaves the process group at once, while the decision
     on the error is awaited: peers blocked in a collective with this rank fail now and report
     too, and the reform that follows only has to join the new group. ``trainer`` is released."""
@@ -276,21 +276,14 @@ def _await_listener(
             time.sleep(poll_s)
 
 
-def rebuild(old: GPTTrainer, timeout: timedelta | None = None) -> GPTTrainer:
-    """A fresh trainer with ``old``'s configuration (and collective timeout, unless given) on
-    the current process group."""
-    return GPTTrainer(
-        old.model_config,
-        old.train_config,
-        tensor_parallel=old.tensor_parallel,
-        pipeline_parallel=old.pipeline_parallel,
-        device=old.device,
-        timeout=timeout or old.timeout,
-    )
+def rebuild(old: MegatronTrainer, timeout: timedelta | None = None) -> MegatronTrainer:
+    """A fresh trainer with ``old``'s program and settings (and collective timeout, unless
+    given) on the current process group."""
+    return old.rebuild(timeout)
 
 
 def reform(
-    trainer: GPTTrainer,
+    trainer: MegatronTrainer,
     new_rank: int,
     new_world: int,
     master_addr: str,
@@ -303,7 +296,7 @@ def reform(
     parked: Parked | None = None,
     snapshot_dir: str = "",
     superseded: Callable[[], bool] = lambda: False,
-) -> tuple[GPTTrainer, checkpoint.Restored]:
+) -> tuple[MegatronTrainer, checkpoint.Restored]:
     """Moves this rank from its process group to a new one and returns the new trainer and
     where its state came from. ``trainer`` is released (closed, without model and optimizer).
     ``keep_state=False`` (its state is not consistent, e.g. a step failed halfway through the
@@ -324,7 +317,7 @@ def reform(
         "joining a new process group",
         extra={"rank": new_rank, "world_size": new_world, "master": f"{master_addr}:{master_port}"},
     )
-    new: GPTTrainer | None = None
+    new: MegatronTrainer | None = None
     try:
         join(new_rank, new_world, master_addr, master_port, timeout, backend, superseded)
         new = rebuild(trainer, timeout)
@@ -338,7 +331,7 @@ def reform(
     return new, restored
 
 
-def receive_state(trainer: GPTTrainer, checkpoint_dir: str = "", snapshot_dir: str = "") -> checkpoint.Restored:
+def receive_state(trainer: MegatronTrainer, checkpoint_dir: str = "", snapshot_dir: str = "") -> checkpoint.Restored:
     """The part of a rank without state in ``exchange_state`` (collective)."""
     return exchange_state(trainer, None, checkpoint_dir, snapshot_dir=snapshot_dir)
 
@@ -419,7 +412,7 @@ def _broadcast_snapshot(snapshot: Snapshot | None, src: int, iteration: int, cor
 
 
 def exchange_state(
-    trainer: GPTTrainer,
+    trainer: MegatronTrainer,
     snapshot: Snapshot | None,
     checkpoint_dir: str = "",
     corrupt_transfer: bool = False,

@@ -28,10 +28,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from services.trainer import checkpoint
+from unicron.trainer import checkpoint
 
 if TYPE_CHECKING:
-    from services.trainer.gpt import GPTTrainer
+    from unicron.trainer.engine import MegatronTrainer
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class SnapshotWriter:
         self._every = every
         self._busy = threading.Lock()
 
-    def after_iteration(self, trainer: GPTTrainer) -> bool:
+    def after_iteration(self, trainer: MegatronTrainer) -> bool:
         """Snapshots ``trainer`` if its iteration is due and no write is in flight; returns
         whether it started one."""
         if self._every <= 0 or trainer.iteration % self._every or not self._busy.acquire(blocking=False):
@@ -88,7 +88,7 @@ class SnapshotWriter:
             self._busy.release()
 
 
-def _serialize(trainer: GPTTrainer) -> bytes:
+def _serialize(trainer: MegatronTrainer) -> bytes:
     state = trainer.state_dict()
     buffer = io.BytesIO()
     torch.save(
@@ -96,8 +96,7 @@ def _serialize(trainer: GPTTrainer) -> bytes:
             "iteration": trainer.iteration,
             "layout": checkpoint.layout_of(trainer).as_dict(),
             "shard": list(trainer.shard),
-            "model": state["model"],
-            "optimizer": state["optimizer"],
+            **checkpoint.state_parts(state),
         },
         buffer,
     )
@@ -126,7 +125,7 @@ def _holders(root: Path) -> dict[int, list[Path]]:
     return out
 
 
-def _load(directory: Path, iteration: int, trainer: GPTTrainer) -> dict[str, Any]:
+def _load(directory: Path, iteration: int, trainer: MegatronTrainer) -> dict[str, Any]:
     """The verified snapshot of ``iteration`` in ``directory`` for ``trainer``'s shard; raises
     CheckpointError when it is corrupt or of another model, split or shard."""
     snap, digest = _paths(directory, iteration)
@@ -149,7 +148,7 @@ def _load(directory: Path, iteration: int, trainer: GPTTrainer) -> dict[str, Any
     return payload
 
 
-def restore(trainer: GPTTrainer, root: str | Path, newer_than: int = 0) -> checkpoint.Restored | None:
+def restore(trainer: MegatronTrainer, root: str | Path, newer_than: int = 0) -> checkpoint.Restored | None:
     """Collective: loads the newest snapshot beyond iteration ``newer_than`` that every rank
     has good on its node into ``trainer``; None (trainer untouched) when there is none."""
     holders = {i: dirs for i, dirs in _holders(Path(root)).items() if i > newer_than}
@@ -167,16 +166,14 @@ def restore(trainer: GPTTrainer, root: str | Path, newer_than: int = 0) -> check
         flag = torch.tensor([0 if payload is None else 1], dtype=torch.int32, device=checkpoint.flag_device())
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         if int(flag.item()) == 1 and payload is not None:
-            trainer.load_state_dict(
-                {"model": payload["model"], "optimizer": payload["optimizer"], "iteration": iteration}
-            )
+            trainer.load_state_dict({**checkpoint.state_parts(payload), "iteration": iteration})
             log.info("resumed from an in-memory snapshot", extra={"iteration": iteration})
             return checkpoint.Restored(SOURCE_SNAPSHOT, iteration)
         log.warning("snapshot of iteration %d is not good on every rank; trying an older one", iteration)
     return None
 
 
-def restore_nearest(trainer: GPTTrainer, checkpoint_dir: str = "", snapshot_dir: str = "") -> checkpoint.Restored:
+def restore_nearest(trainer: MegatronTrainer, checkpoint_dir: str = "", snapshot_dir: str = "") -> checkpoint.Restored:
     """Collective: the state of a rank without a live peer to take it from, nearest first: the
     node's in-memory snapshot when it is newer than the newest persistent checkpoint, else the
     checkpoint, else a fresh model."""

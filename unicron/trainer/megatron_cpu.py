@@ -132,7 +132,7 @@ def _install_cuda_patches() -> None:
         # generator around model-parallel regions. On CPU the device generator is the CPU
         # default generator, so dropout inside a fork draws from the forked stream as intended
         # (Megatron then logs "CPU RNG state changed within GPU RNG context" per fork, since
-        # the two are one here; GPTTrainer trains without dropout, so it never does).
+        # the two are one here; MegatronTrainer trains without dropout, so it never does).
         torch.cuda.get_rng_state = _cpu_rng_state
         torch.cuda.random.get_rng_state = _cpu_rng_state
         torch.cuda.set_rng_state = _set_cpu_rng_state
@@ -153,7 +153,7 @@ def cpu_mode(device: str | None = None) -> Iterator[None]:
 
     TorchFunctionMode is thread-local, so the thread that builds and trains the model must be
     the one inside this context. ``device`` is the job's device (``None``: CUDA when present,
-    else the CPU); the context is a no-op when that is CUDA. ``GPTTrainer`` enters it itself
+    else the CPU); the context is a no-op when that is CUDA. ``MegatronTrainer`` enters it itself
     around every call, so callers need it only for their own Megatron calls.
     """
     if not wants_cpu(device):

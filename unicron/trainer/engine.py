@@ -1,0 +1,475 @@
+"""The Megatron-Core engine: a user's program (model, data, forward step) trained by Megatron's
+DDP, optimizer and pipeline schedule, one optimizer iteration per ``step()``.
+
+The caller owns the process: it initializes ``torch.distributed`` (gloo on CPU, NCCL on CUDA)
+before building a ``MegatronTrainer`` and destroys the process group after ``close()``. To move
+a rank to another process group in the same process, ``release()`` the trainer (not just
+``close()``), destroy the group, join the new one and ``rebuild()``; unicron/trainer/reform.py
+does that.
+
+Data is addressed by global sample index. Iteration ``i`` consumes global samples
+``[i*G, (i+1)*G)`` (``G`` = global batch size). Data-parallel rank ``r`` of ``D`` takes the
+contiguous block ``[i*G + r*G/D, i*G + (r+1)*G/D)`` and cuts it, in order, into micro-batches.
+The set of samples in a step therefore does not depend on ``D``, and with the loss averaged over
+the whole global batch (the loss function returns a sum and a token count) the update is the
+same, up to float rounding, for every DP degree: a job resized between steps learns what it
+would have learnt.
+
+The whole training state of a rank is then its (TP, PP) slice of the model, the optimizer state
+of that slice, the LR scheduler, the RNG states and the iteration number (which fixes the data
+position): ``state_dict()`` / ``load_state_dict()`` move exactly that, and a state saved under
+one DP degree loads under any other (same TP/PP).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from unicron.trainer.megatron_cpu import cpu_mode, wants_cpu
+from unicron.trainer.program import MegatronProgram, ProgramError, Training, collate, dataset_size, sample_length
+
+# isort: split
+# Megatron is imported after the shim so the shim's warning filters see its import-time warnings.
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+LossOutput = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    iteration: int  # 1-based number of the iteration this result completes
+    loss: float  # mean per-token loss over the whole global batch, identical on every rank
+    seconds: float  # wall time of the step on this rank
+    tokens: int  # tokens processed by the whole job in the step
+    flops: float  # model FLOPs of the whole job in the step
+    # This rank's time before it entered the gradient all-reduce: its own share of the step.
+    # Peers of a slow rank wait inside the all-reduce, so a straggler shows here, not in seconds.
+    compute_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class PartialStep:
+    """What a step that failed in its gradient all-reduce had computed: this rank's local
+    (not yet reduced) gradients of all its micro-batches and their losses. A rank that
+    reattempts the step in a new group with the same data-parallel place applies them instead
+    of recomputing the micro-batches (``MegatronTrainer.finish_step``)."""
+
+    iteration: int
+    data_parallel_size: int
+    data_parallel_rank: int
+    grads: list[torch.Tensor]
+    losses: list[torch.Tensor]
+
+
+class MegatronTrainer:
+    """One replica slice (TP x PP) of a user's Megatron-Core model on this rank, trained with
+    Megatron DDP, its optimizer and an LR scheduler."""
+
+    def __init__(
+        self,
+        program: MegatronProgram,
+        training: Training,
+        device: str = "cpu",
+        timeout: timedelta | None = None,
+    ) -> None:
+        """``timeout``: of the collectives in Megatron's model- and data-parallel groups (the
+        gradient all-reduce runs in those); None keeps Megatron's default of 30 minutes. Pass
+        the timeout the default process group was created with."""
+        if not dist.is_initialized():
+            raise RuntimeError("torch.distributed must be initialized before MegatronTrainer")
+        if parallel_state.model_parallel_is_initialized():
+            raise RuntimeError("Megatron parallel state is already initialized; close() first")
+        self._cpu = wants_cpu(device)
+        self._device = device
+        self.program = program
+        self.training = training
+        self._tp = training.tensor_parallel
+        self._pp = training.pipeline_parallel
+        self._dp = _data_parallel(training)
+        self._num_microbatches = training.global_batch_size // (training.micro_batch_size * self._dp)
+        self._timeout = timeout
+        self._iteration = 0
+        # Set once the optimizer began updating parameters in the current step: from then on
+        # the step cannot be redone without applying (part of) its update twice.
+        self._update_started = False
+        self._closed = False
+        self._grad_sync_at: float | None = None
+        # Called on this rank's entry into the gradient all-reduce (set by fault injection).
+        self.grad_sync_hook: Callable[[], None] | None = None
+        # This step's local gradients (copied as the all-reduce begins, which overwrites them
+        # in place) and micro-batch (loss sum, tokens): what a failed all-reduce leaves to
+        # reuse. The copy costs one more gradient buffer of memory.
+        self.keep_local_grads = True
+        self._local_grads: list[torch.Tensor] | None = None
+        self._step_losses: list[torch.Tensor] = []
+        with cpu_mode(device):
+            self._build()
+
+    def _build(self) -> None:
+        t = self.training
+        timeouts = {} if self._timeout is None else {"distributed_timeout_minutes": self._timeout.total_seconds() / 60}
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=self._tp, pipeline_model_parallel_size=self._pp, **timeouts
+        )
+        # Seeded before the provider runs, so the initial model depends on the seed alone (not
+        # on the DP degree or on which process builds it).
+        torch.manual_seed(t.seed)
+        tensor_parallel.model_parallel_cuda_manual_seed(t.seed)
+        module = self.program.build_model(
+            parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
+        )
+        config = self.program.check_model(module, self._tp, self._pp)
+        if not self._cpu:
+            module.cuda(torch.cuda.current_device())
+        self.model = DistributedDataParallel(
+            config=config,
+            # average_in_collective=False (the default): each rank scales its grads by 1/DP
+            # and the all-reduce sums them, i.e. grads are averaged over DP ranks.
+            ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True),
+            module=module,
+        )
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=t.learning_rate, weight_decay=t.weight_decay),
+            [self.model],
+        )
+        decay = max(1, t.lr_decay_iterations or t.iterations)
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer,
+            init_lr=0.0 if t.lr_warmup_iterations else t.learning_rate,
+            max_lr=t.learning_rate,
+            min_lr=t.min_learning_rate,
+            lr_warmup_steps=t.lr_warmup_iterations,
+            lr_decay_steps=decay,
+            lr_decay_style=t.lr_decay_style,
+            start_wd=t.weight_decay,
+            end_wd=t.weight_decay,
+            wd_incr_steps=decay,
+            wd_incr_style="constant",
+        )
+        # Without these hooks the schedule never triggers DDP's grad all-reduce.
+        config.no_sync_func = self.model.no_sync
+        config.finalize_model_grads_func = self._finalize_grads
+        self._forward_backward = get_forward_backward_func()
+        self.dataset = self.program.build_dataset(t.iterations * t.global_batch_size)
+        self._dataset_size = dataset_size(self.dataset)
+        self._seq_length = self.program.seq_length or sample_length(self.dataset[0])
+        self._parameters = sum(p.numel() for p in self.model.parameters())
+
+    @property
+    def iteration(self) -> int:
+        return self._iteration
+
+    @property
+    def timeout(self) -> timedelta | None:
+        """The collective timeout of Megatron's groups given at construction (None: default)."""
+        return self._timeout
+
+    @property
+    def device(self) -> str:
+        """The device this trainer was built for ("cpu" or "cuda")."""
+        return self._device
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self._dp
+
+    @property
+    def tensor_parallel(self) -> int:
+        return self._tp
+
+    @property
+    def pipeline_parallel(self) -> int:
+        return self._pp
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return int(parallel_state.get_data_parallel_rank())
+
+    @property
+    def shard(self) -> tuple[int, int]:
+        """(tensor-parallel rank, pipeline-parallel rank): which slice of the model this rank holds."""
+        return (
+            int(parallel_state.get_tensor_model_parallel_rank()),
+            int(parallel_state.get_pipeline_model_parallel_rank()),
+        )
+
+    def layout(self) -> dict[str, Any]:
+        """What a checkpoint must match to be loaded here: the program's description of its
+        model and the TP x PP split."""
+        return {"model": self.program.describe(), "tensor_parallel": self._tp, "pipeline_parallel": self._pp}
+
+    def rebuild(self, timeout: timedelta | None = None) -> MegatronTrainer:
+        """A fresh trainer of the same program and settings for the current process group (its
+        DP degree follows from the new world size)."""
+        return MegatronTrainer(self.program, self.training, self._device, timeout or self._timeout)
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's training state: its model slice, the optimizer state of that slice
+        (Megatron's non-distributed optimizer: identical on every DP rank), the LR scheduler,
+        the RNG states and the number of completed iterations, which also fixes the data
+        position. References, not copies."""
+        return {
+            "iteration": self._iteration,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "rng": _rng_states(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continues from ``state`` (as returned by ``state_dict()``, possibly under another DP
+        degree). Parameters are copied in place, so Megatron's DDP buffers stay valid."""
+        if self._closed:
+            raise RuntimeError("MegatronTrainer is closed")
+        with cpu_mode(self._device):
+            self.model.load_state_dict(state["model"], strict=True)
+            self.optimizer.load_state_dict(state["optimizer"])
+            if "scheduler" in state:
+                self.scheduler.load_state_dict(state["scheduler"])
+            if "rng" in state:
+                _set_rng_states(state["rng"])
+            self.discard_step()
+        self._iteration = int(state["iteration"])
+
+    @property
+    def step_is_redoable(self) -> bool:
+        """Whether the last step that raised can simply be run again: true unless it failed
+        after the optimizer had started to update the parameters."""
+        return not self._update_started
+
+    def discard_step(self) -> None:
+        """Drops whatever a failed step left behind (its partial gradients), so that the
+        next ``step()`` redoes the same iteration from a clean slate."""
+        with cpu_mode(self._device):
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+        self._grad_sync_at = None
+        self._local_grads = None
+
+    def _finalize_grads(self, *args: Any, **kwargs: Any) -> Any:
+        """Megatron's gradient all-reduce, with a note of when this rank reached it and the
+        hook that fault injection uses to act inside it."""
+        if self.keep_local_grads:
+            self._local_grads = [buffer.grad_data.detach().clone() for buffer in self.model.buffers]
+        if self.grad_sync_hook is not None:
+            self.grad_sync_hook()
+        self._grad_sync_at = time.perf_counter()
+        return finalize_model_grads(*args, **kwargs)
+
+    def partial_step(self) -> PartialStep | None:
+        """After ``step()`` raised: the work of the failed step that can be reused, if it got
+        as far as the gradient all-reduce and did not start the update."""
+        if self._local_grads is None or self._update_started:
+            return None
+        return PartialStep(
+            self._iteration + 1,
+            self._dp,
+            self.data_parallel_rank,
+            [g.cpu() for g in self._local_grads],
+            [entry.detach().cpu() for entry in self._step_losses],
+        )
+
+    def finish_step(self, partial: PartialStep) -> StepResult:
+        """Completes the step ``partial`` was cut short in: its gradients go into this trainer's
+        buffers, then the all-reduce, the update and the loss as in ``step()``. Only for the same
+        iteration and the same data-parallel place (the same micro-batches); else ValueError."""
+        if self._closed:
+            raise RuntimeError("MegatronTrainer is closed")
+        place = (self._iteration + 1, self._dp, self.data_parallel_rank)
+        theirs = (partial.iteration, partial.data_parallel_size, partial.data_parallel_rank)
+        if theirs != place:
+            raise ValueError(f"partial step of (iteration, DP, DP rank) {theirs}, this trainer is at {place}")
+        if len(partial.grads) != len(self.model.buffers):
+            raise ValueError("partial step of another model")
+        with cpu_mode(self._device):
+            start = time.perf_counter()
+            self._update_started = False
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            for buffer, grads in zip(self.model.buffers, partial.grads, strict=True):
+                buffer.grad_data.copy_(grads)
+            self._step_losses = list(partial.losses)
+            self._finalize_grads([self.model])
+            self._grad_sync_at = start  # nothing was computed again
+            loss, tokens = self._update()
+            seconds = time.perf_counter() - start
+        return self._completed(loss, tokens, seconds, 0.0)
+
+    def step(self) -> StepResult:
+        if self._closed:
+            raise RuntimeError("MegatronTrainer is closed")
+        with cpu_mode(self._device):
+            start = time.perf_counter()
+            self._grad_sync_at = None
+            self._update_started = False
+            loss, tokens = self._train_step()
+            end = time.perf_counter()
+            seconds = end - start
+            compute_seconds = (self._grad_sync_at or end) - start
+        return self._completed(loss, tokens, seconds, compute_seconds)
+
+    def _completed(self, loss: float, tokens: int, seconds: float, compute_seconds: float) -> StepResult:
+        self._iteration += 1
+        self._local_grads = None  # of a finished step: nothing left to reuse
+        self._update_started = False
+        return StepResult(
+            iteration=self._iteration,
+            loss=loss,
+            seconds=seconds,
+            tokens=tokens,
+            flops=self.program.flops(self.training.global_batch_size, tokens, self._replica_parameters),
+            compute_seconds=compute_seconds,
+        )
+
+    def _train_step(self) -> tuple[float, int]:
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self._local_grads = None
+        self._step_losses = []
+        self._forward_backward(
+            forward_step_func=self._forward_step,
+            data_iterator=self._data_iterator(),
+            model=[self.model],
+            num_microbatches=self._num_microbatches,
+            seq_length=self._seq_length,
+            micro_batch_size=self.training.micro_batch_size,
+            forward_only=False,
+        )
+        return self._update()
+
+    def _update(self) -> tuple[float, int]:
+        # The loss's all-reduce comes before the update: a collective that fails after the
+        # update has begun leaves a step that cannot be redone.
+        loss, tokens = self._global_mean_loss(self._step_losses)
+        self._update_started = True
+        update_ok, _, _ = self.optimizer.step()
+        if not update_ok:
+            raise RuntimeError(f"optimizer step {self._iteration + 1} skipped (non-finite grads)")
+        self.scheduler.step(increment=1)
+        return loss, tokens
+
+    def _data_iterator(self) -> Iterator[Any]:
+        t = self.training
+        per_rank = t.global_batch_size // self._dp
+        first = self._iteration * t.global_batch_size + parallel_state.get_data_parallel_rank() * per_rank
+        for start in range(first, first + per_rank, t.micro_batch_size):
+            # Past the data set's end the samples wrap around: another epoch, in the same order.
+            samples = [self.dataset[g % self._dataset_size] for g in range(start, start + t.micro_batch_size)]
+            yield collate(samples)
+
+    def _forward_step(self, data_iterator: Iterator[Any], model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
+        output, loss_func = self.program.forward_step(data_iterator, model)
+        if not callable(loss_func):
+            raise ProgramError(
+                f"forward_step must return (output_tensor, loss_func); its second value is a {type(loss_func).__name__}"
+            )
+
+        def recorded_loss(output_tensor: torch.Tensor) -> LossOutput:
+            result = loss_func(output_tensor)
+            loss_sum, num_tokens, report = _check_loss(result)
+            self._step_losses.append(torch.stack([loss_sum.detach().double(), num_tokens.detach().double()]))
+            return loss_sum, num_tokens, report
+
+        return output, recorded_loss
+
+    def _global_mean_loss(self, losses: list[torch.Tensor]) -> tuple[float, int]:
+        # Only last-stage ranks hold losses; TP peers hold identical copies. Summing (loss_sum,
+        # tokens) over the whole world scales both by TP, so their ratio is the mean over the
+        # global batch and every rank receives the same value. The third entry sums each rank's
+        # parameter count (DP copies of every replica slice), for the FLOPs estimate.
+        device = "cpu" if self._cpu else torch.cuda.current_device()
+        totals = torch.zeros(3, dtype=torch.float64, device=device)
+        for entry in losses:
+            totals[:2] += entry.to(totals)
+        totals[2] = float(self._parameters)
+        dist.all_reduce(totals)
+        self._replica_parameters = float(totals[2]) / self._dp
+        tokens = float(totals[1]) / self._tp
+        return float(totals[0] / totals[1]) if totals[1] > 0 else float("nan"), round(tokens)
+
+    _replica_parameters: float = 0.0
+
+    def close(self) -> None:
+        """Destroy Megatron's model-parallel state; the process group stays up."""
+        if self._closed:
+            return
+        self._closed = True
+        parallel_state.destroy_model_parallel()
+
+    def release(self) -> None:
+        """``close()`` and drop the model and optimizer, which hold Megatron's process groups:
+        a gloo group closes its connections only when its last reference is gone, and until
+        then a peer blocked in a collective with this rank stays blocked (until the timeout)
+        even after ``dist.destroy_process_group()``. The configuration stays readable. The
+        model and its config refer to each other (and to this trainer's methods), so the groups
+        go with the next ``gc.collect()``."""
+        self.close()
+        del self.model, self.optimizer, self.scheduler
+
+
+def _check_loss(result: Any) -> LossOutput:
+    """The loss function's answer in Megatron's form (loss sum, token count, report), or a
+    ProgramError that says what came back instead."""
+    if not isinstance(result, tuple) or len(result) != 3:
+        got = f"a tuple of {len(result)}" if isinstance(result, tuple) else f"a {type(result).__name__}"
+        raise ProgramError(
+            "the loss function must return (loss_sum, num_tokens, report) as Megatron-Core's schedule"
+            f" takes it; it returned {got}"
+        )
+    loss_sum, num_tokens, report = result
+    if not isinstance(loss_sum, torch.Tensor) or loss_sum.numel() != 1:
+        raise ProgramError(f"the loss function's loss_sum must be a one-element tensor, got {type(loss_sum).__name__}")
+    if not isinstance(num_tokens, torch.Tensor) or num_tokens.numel() != 1:
+        raise ProgramError(
+            f"the loss function's num_tokens must be a one-element tensor, got {type(num_tokens).__name__}"
+        )
+    if not isinstance(report, dict):
+        raise ProgramError(f"the loss function's report must be a dict, got {type(report).__name__}")
+    return loss_sum, num_tokens, report
+
+
+def _rng_states() -> dict[str, Any]:
+    states: dict[str, Any] = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state()
+    states["tracker"] = tensor_parallel.get_cuda_rng_tracker().get_states()
+    return states
+
+
+def _set_rng_states(states: dict[str, Any]) -> None:
+    torch.set_rng_state(states["torch"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["cuda"])
+    if states.get("tracker"):
+        tensor_parallel.get_cuda_rng_tracker().set_states(states["tracker"])
+
+
+def _data_parallel(training: Training) -> int:
+    """The DP degree of the current world under ``training``'s TP x PP; a ProgramError when the
+    world or the batch does not split."""
+    tp, pp = training.tensor_parallel, training.pipeline_parallel
+    world = dist.get_world_size()
+    if world % (tp * pp):
+        raise ProgramError(f"world size {world} is not divisible by tensor x pipeline = {tp * pp}")
+    dp = world // (tp * pp)
+    if training.global_batch_size % (training.micro_batch_size * dp):
+        raise ProgramError(
+            f"global_batch_size ({training.global_batch_size}) must be divisible by "
+            f"micro_batch_size x data-parallel ({training.micro_batch_size} x {dp})"
+        )
+    return dp

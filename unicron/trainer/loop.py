@@ -1,0 +1,337 @@
+"""The training loop of the Megatron-Core level: the runtime owns it. Each pass takes a pending
+reform at the iteration boundary, saves the checkpoint the last iteration owed, runs one step
+(the interrupted one finished from its computed gradients after a reform) and reports it; an
+error goes through ``runtime.after_failure``, whose decision the loop carries out.
+
+The state a rank starts from is the nearest there is: a live peer's (a rank started for a grow),
+else its newest snapshot or persistent checkpoint (unicron/trainer/snapshot.py)."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+from unicron.jobspec import DEFAULT_CHECKPOINT_INTERVAL
+from unicron.trainer.program import MegatronProgram, Training
+from unicron.trainer.runtime import (
+    SOURCE_LIVE,
+    Decision,
+    Run,
+    after_failure,
+    enter_generation,
+    poll_reform,
+    reform_waiting,
+    report_error,
+)
+from unicron.v1 import common_pb2, node_service_pb2, trainer_service_pb2
+
+if TYPE_CHECKING:  # torch and Megatron take seconds to import
+    from unicron.trainer import reform as reforming
+    from unicron.trainer.engine import MegatronTrainer, PartialStep, StepResult
+
+
+def training_of(spec: common_pb2.JobSpec) -> Training:
+    """The runtime's training settings from a job spec (defaults filled)."""
+    t, par = spec.training, spec.parallelism
+    return Training(
+        iterations=t.iterations,
+        global_batch_size=t.global_batch_size,
+        micro_batch_size=t.micro_batch_size or 1,
+        learning_rate=t.learning_rate or 1e-3,
+        seed=t.seed,
+        tensor_parallel=par.tensor or 1,
+        pipeline_parallel=par.pipeline or 1,
+        checkpoint_interval=t.checkpoint_interval or DEFAULT_CHECKPOINT_INTERVAL,
+        lr_warmup_iterations=t.lr_warmup_iterations,
+        lr_decay_style=t.lr_decay_style or "constant",
+        min_learning_rate=t.min_learning_rate,
+        weight_decay=t.weight_decay,
+    )
+
+
+def cuda_device(visible: int, rank: int) -> int:
+    """This rank's GPU among the ``visible`` ones: the only one when its agent gave it its
+    slot's GPU alone (CUDA_VISIBLE_DEVICES); LOCAL_RANK under torchrun; else its rank's."""
+    import os
+
+    if visible <= 1:
+        return 0
+    if "LOCAL_RANK" in os.environ:
+        return int(os.environ["LOCAL_RANK"]) % visible
+    return rank % visible
+
+
+def train(run: Run, program: MegatronProgram) -> None:
+    """Trains ``program`` to the job's last iteration (or until stopped); raises after reporting
+    an error the rank cannot get past."""
+    log = logging.getLogger("trainer")
+    # Imported here: torch and Megatron take seconds to import, and config errors should
+    # be reported before that.
+    import torch
+    import torch.distributed as dist
+
+    from unicron.trainer import checkpoint
+    from unicron.trainer import reform as reforming
+    from unicron.trainer import snapshot as snapshots
+    from unicron.trainer.engine import MegatronTrainer
+
+    # What the imports created lives as long as the process: out of the garbage collector's
+    # sight, a reform's full collection (which frees the old process groups, see
+    # reform.teardown) takes a fraction of the time.
+    gc.freeze()
+    config, spec = run.config, run.spec
+    use_cuda = torch.cuda.is_available()
+    if use_cuda:
+        torch.cuda.set_device(cuda_device(torch.cuda.device_count(), run.rank))
+    training = spec.training
+    try:
+        state_from_peer = join_first_group(run, "nccl" if use_cuda else "gloo")
+        # MegatronTrainer enters the Megatron CPU shim (megatron_cpu.cpu_mode) around its own calls.
+        trainer = MegatronTrainer(
+            program,
+            training_of(spec),
+            device="cuda" if use_cuda else "cpu",
+            timeout=timedelta(seconds=config.collective_timeout_s),
+        )
+        if run.injector.enabled:
+            trainer.grad_sync_hook = run.injector.in_grad_sync
+        log.info("model ready", extra={"rank": run.rank, "world_size": run.world_size})
+        if state_from_peer:
+            restored = reforming.receive_state(trainer, config.checkpoint_dir, config.snapshot_dir)
+        else:
+            restored = snapshots.restore_nearest(trainer, config.checkpoint_dir, config.snapshot_dir)
+        run.iteration = trainer.iteration
+        run.source = (restored.source, restored.iteration)
+        interval = training.checkpoint_interval or DEFAULT_CHECKPOINT_INTERVAL
+        every = config.snapshot_interval if config.snapshot_dir else 0
+        writer = snapshots.SnapshotWriter(config.snapshot_dir, run.rank, every)
+        # A rank leaves its group as soon as a step fails; the coordinator answers with a
+        # reform into a new group, never with a reattempt in the old one.
+        parked: reforming.Parked | None = None
+        # The interrupted step's computed gradients, to finish it with after a reform.
+        resume: PartialStep | None = None
+
+        def leave_group() -> None:
+            nonlocal parked
+            parked = reforming.park(trainer)
+
+        # The checkpoint of the iteration just reported, written at the start of the next pass:
+        # the save is collective, and a peer dying during it is then handled as a failed step
+        # (this rank's state is whole) rather than failing the rank.
+        save_due = False
+        while run.iteration < training.iterations and not run.stop.is_set():
+            reform = poll_reform(run)
+            if reform is not None:  # at an iteration boundary: nothing in flight
+                trainer = apply_reform(run, trainer, reform, keep_state=True)
+                writer = snapshots.SnapshotWriter(config.snapshot_dir, run.rank, every)
+                # A rank new to the group owes no save: a collective not every rank joins hangs.
+                save_due = False
+                continue
+            decision: Decision | None = None
+            finishing, resume = resume, None
+            try:
+                if save_due:
+                    checkpoint.save(trainer, config.checkpoint_dir)
+                    save_due = False
+                run.injector.before_step(run.iteration + 1)
+                result = next_step(trainer, finishing, log)
+            except Exception as exc:
+                redoable = trainer.step_is_redoable
+                decision = after_failure(run, exc, redoable, leave_group if redoable else None)
+                if decision is Decision.GIVE_UP:
+                    raise
+                # Not raised again. Dropped here, outside this block its traceback is freed: its
+                # frames hold the model and through it the process groups, and a reform must be
+                # able to close those (see reform.teardown).
+                run.reported = None
+            if decision is Decision.STOP:
+                break
+            if decision is Decision.REATTEMPT:
+                if parked is not None:
+                    raise RuntimeError("asked to redo the step in a process group this rank has left")
+                # Same iteration again: its data follows from the iteration number.
+                trainer.discard_step()
+                run.source = (SOURCE_LIVE, run.iteration)
+                continue
+            if decision is Decision.REFORM:
+                assert run.pending_reform is not None
+                # A step that failed before the update leaves the state as it was: the captured
+                # state is that of the iteration's start, and the iteration is redone, from its
+                # computed gradients where the new group keeps this rank's place in it.
+                resume = parked.partial if parked is not None else trainer.partial_step()
+                trainer = apply_reform(
+                    run, trainer, run.pending_reform, keep_state=trainer.step_is_redoable, parked=parked
+                )
+                parked = None
+                writer = snapshots.SnapshotWriter(config.snapshot_dir, run.rank, every)
+                save_due = False
+                continue
+            run.iteration, run.step_seconds, run.stepped = result.iteration, result.seconds, True
+            report = node_service_pb2.IterationReport(
+                job_id=config.job_id,
+                generation=run.generation,
+                rank=run.rank,
+                iteration=result.iteration,
+                loss=result.loss,
+                seconds=result.seconds,
+                tokens=result.tokens,
+                flops=result.flops,
+                compute_seconds=result.compute_seconds,
+            )
+            if run.source is not None:
+                report.state_source, report.restored_iteration = run.source
+                run.source = None
+            run.link.send(trainer_service_pb2.ConnectRequest(iteration=report))
+            save_due = bool(config.checkpoint_dir) and run.iteration % interval == 0
+            writer.after_iteration(trainer)
+        if save_due:
+            checkpoint.save(trainer, config.checkpoint_dir)
+        trainer.close()
+    except BaseException as exc:
+        if exc is not run.reported and not isinstance(exc, SystemExit):
+            report_error(run, exc)
+            run.reported = exc
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def join_first_group(run: Run, backend: str) -> bool:
+    """Joins the process group this process was started for, or the newer one of a reform
+    that arrives while it waits (a peer died before the group formed): then as a rank
+    without state, which it takes from its peers. Returns whether the state comes from peers."""
+    from unicron.trainer import reform as reforming
+
+    config = run.config
+    timeout = timedelta(seconds=config.collective_timeout_s)
+    master_addr, master_port, from_peer = config.master_addr, config.master_port, config.state_from_peer
+    while True:
+        try:
+            reforming.join(
+                run.rank, run.world_size, master_addr, master_port, timeout, backend, lambda: reform_waiting(run)
+            )
+            return from_peer
+        except reforming.Superseded:
+            reform = poll_reform(run)
+            assert reform is not None
+            logging.getLogger("trainer").warning(
+                "generation %d was replaced before its group formed; joining generation %d",
+                run.generation,
+                reform.generation,
+                extra={"incident": reform.incident_id},
+            )
+            enter_generation(run, reform)
+            master_addr, master_port, from_peer = reform.master_addr or master_addr, reform.master_port, True
+
+
+def next_step(trainer: MegatronTrainer, resume: PartialStep | None, log: logging.Logger) -> StepResult:
+    """The next training step: the interrupted one finished from its computed gradients when
+    ``resume`` fits this trainer (same iteration and data-parallel place), else a full step."""
+    if resume is not None:
+        try:
+            result = trainer.finish_step(resume)
+        except ValueError as exc:
+            log.info("recomputing iteration %d: %s", resume.iteration, exc)
+        else:
+            log.info(
+                "finished the interrupted iteration from its computed gradients",
+                extra={"iteration": result.iteration, "micro_batches": len(resume.losses)},
+            )
+            return result
+    return trainer.step()
+
+
+def apply_reform(
+    run: Run,
+    trainer: MegatronTrainer,
+    reform: trainer_service_pb2.AgentReform,
+    keep_state: bool,
+    parked: reforming.Parked | None = None,
+) -> MegatronTrainer:
+    """Moves this rank to the new process group of ``reform`` and returns its new trainer
+    (``trainer`` is closed). When the group cannot be formed (a peer died meanwhile), the
+    failure is handled as a failed step's: a newer reform, pending or the agent's answer to
+    the report, is joined with the state the rank had; anything else raises, the rank fails
+    as after any error, and the agent restarts it."""
+    from unicron.trainer import reform as reforming
+
+    log = logging.getLogger("trainer")
+    while True:
+        try:
+            return _reform_once(run, trainer, reform, keep_state, parked)
+        except reforming.ReformFailed as failed:
+            newer = poll_reform(run)
+            if newer is None:
+                if after_failure(run, failed.error) is not Decision.REFORM:
+                    raise failed.error from None
+                newer = run.pending_reform
+            assert newer is not None
+            log.warning(
+                "the process group of generation %d was not formed (%s); joining generation %d",
+                reform.generation,
+                failed,
+                newer.generation,
+                extra={"incident": newer.incident_id},
+            )
+            reform, parked, keep_state = newer, failed.parked, failed.parked.snapshot is not None
+
+
+def _reform_once(
+    run: Run,
+    trainer: MegatronTrainer,
+    reform: trainer_service_pb2.AgentReform,
+    keep_state: bool,
+    parked: reforming.Parked | None,
+) -> MegatronTrainer:
+    from unicron.trainer import reform as reforming
+
+    log = logging.getLogger("trainer")
+    config = run.config
+    enter_generation(run, reform)
+    log.info(
+        "reforming into a new process group",
+        extra={
+            "incident": reform.incident_id,
+            "iteration": trainer.iteration,
+            "generation": reform.generation,
+            "rank": reform.rank,
+            "world_size": reform.world_size,
+            "keep_state": keep_state,
+        },
+    )
+    started = time.monotonic()
+    new, restored = reforming.reform(
+        trainer,
+        reform.rank,
+        reform.world_size,
+        reform.master_addr or config.master_addr,
+        reform.master_port,
+        timedelta(seconds=config.collective_timeout_s),
+        keep_state=keep_state,
+        checkpoint_dir=config.checkpoint_dir,
+        corrupt_transfer=config.corrupt_peer_state and run.injector.enabled,
+        parked=parked,
+        snapshot_dir=config.snapshot_dir,
+        superseded=lambda: reform_waiting(run),
+    )
+    if run.injector.enabled:
+        new.grad_sync_hook = run.injector.in_grad_sync
+    run.iteration = new.iteration
+    run.source = (restored.source, restored.iteration)
+    log.info(
+        "reformed",
+        extra={
+            "generation": run.generation,
+            "rank": run.rank,
+            "world_size": run.world_size,
+            "data_parallel": new.data_parallel_size,
+            "state_source": restored.source,
+            "iteration": restored.iteration,
+            "seconds": round(time.monotonic() - started, 3),
+        },
+    )
+    return new

@@ -1,0 +1,193 @@
+"""What a user's Megatron-Core program gives the runtime, and the training settings the
+runtime owns. Megatron's own ``pretrain()`` has the same three parts: a model provider, a
+data provider and a forward step (see docs/trainer-library.md).
+
+Errors that are the program's own (a provider that raises, a forward step that returns the
+wrong thing, a model that does not fit the job's layout) are ``ProgramError``: deterministic,
+so the job fails once with the traceback instead of being restarted into the same error."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from unicron.jobspec import LR_DECAY_STYLES
+
+if TYPE_CHECKING:
+    import torch
+
+ModelProvider = Callable[[bool, bool], "torch.nn.Module"]
+DatasetProvider = Callable[[int], Any]
+ForwardStep = Callable[[Iterator[Any], "torch.nn.Module"], tuple["torch.Tensor", Callable[..., Any]]]
+
+
+class ProgramError(Exception):
+    """An error of the user's program, not of the cluster: retrying it would fail the same way."""
+
+
+@dataclass(frozen=True)
+class Training:
+    """The optimization settings the runtime owns. Under Unicron the job spec's values are used
+    (the planner sized the job by them); under plain ``torchrun`` these are.
+
+    iterations: optimizer iterations to run. global_batch_size: samples per iteration over all
+    data-parallel ranks, kept across every resize. micro_batch_size: samples per forward pass on
+    one rank. learning_rate: Adam's peak learning rate. seed: of the model's initialization.
+    tensor_parallel, pipeline_parallel: the model's split; the data-parallel degree is what the
+    world size leaves. checkpoint_interval: iterations between persistent checkpoints (0: none,
+    when run without Unicron). lr_warmup_iterations, lr_decay_iterations (0: iterations),
+    lr_decay_style, min_learning_rate, weight_decay: Megatron's OptimizerParamScheduler."""
+
+    iterations: int = 100
+    global_batch_size: int = 8
+    micro_batch_size: int = 1
+    learning_rate: float = 1e-3
+    seed: int = 1234
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    checkpoint_interval: int = 0
+    lr_warmup_iterations: int = 0
+    lr_decay_iterations: int = 0
+    lr_decay_style: str = "constant"
+    min_learning_rate: float = 0.0
+    weight_decay: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("iterations", "global_batch_size", "micro_batch_size", "tensor_parallel", "pipeline_parallel"):
+            if getattr(self, name) < 1:
+                raise ProgramError(f"training.{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("checkpoint_interval", "lr_warmup_iterations", "lr_decay_iterations", "seed"):
+            if getattr(self, name) < 0:
+                raise ProgramError(f"training.{name} must not be negative, got {getattr(self, name)}")
+        if not (math.isfinite(self.learning_rate) and self.learning_rate > 0):
+            raise ProgramError(f"training.learning_rate must be a positive number, got {self.learning_rate}")
+        if not 0 <= self.min_learning_rate <= self.learning_rate:
+            raise ProgramError("training.min_learning_rate must lie in [0, learning_rate]")
+        if self.lr_decay_style not in LR_DECAY_STYLES:
+            raise ProgramError(f"training.lr_decay_style must be one of {', '.join(LR_DECAY_STYLES)}")
+        if self.global_batch_size % self.micro_batch_size:
+            raise ProgramError(
+                f"training.global_batch_size ({self.global_batch_size}) must be divisible by"
+                f" micro_batch_size ({self.micro_batch_size})"
+            )
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class MegatronProgram:
+    """A user's Megatron-Core training program, as ``pretrain()`` takes it.
+
+    model_provider(pre_process, post_process): builds this rank's slice of the model (a
+    MegatronModule whose ``config`` is its TransformerConfig) after Megatron's parallel state
+    is initialized and the seed set; the same call as in Megatron-LM's ``pretrain_gpt.py``.
+    dataset_provider(num_samples): a data set addressed by global sample index (``len`` and
+    ``ds[i]``, a dict or tuple of tensors), such as Megatron-Core's ``GPTDataset``; sample
+    ``i`` must depend on ``i`` alone, which is what makes restarts and resizes see every
+    sample exactly once. forward_step(data_iterator, model): Megatron's forward step; the
+    iterator yields collated micro-batches, and the loss function returns (loss_sum,
+    num_tokens, report). seq_length: tokens per sample (default: the first sample's
+    ``tokens`` length). describe: what identifies the model for checkpoints (its shape).
+    flops_per_token: model FLOPs per token of one iteration (default: 6 x parameters)."""
+
+    model_provider: ModelProvider
+    dataset_provider: DatasetProvider
+    forward_step: ForwardStep
+    seq_length: int = 0
+    description: Mapping[str, Any] = field(default_factory=dict)
+    flops_per_token: float = 0.0
+
+    def build_model(self, pre_process: bool, post_process: bool) -> torch.nn.Module:
+        import torch
+
+        model = _user_call("model_provider", self.model_provider, pre_process, post_process)
+        if not isinstance(model, torch.nn.Module):
+            raise ProgramError(f"model_provider must return a torch.nn.Module, got {type(model).__name__}")
+        return model
+
+    def check_model(self, model: torch.nn.Module, tensor_parallel: int, pipeline_parallel: int) -> Any:
+        """The model's TransformerConfig, checked against the job's split."""
+        config = getattr(model, "config", None)
+        if config is None or not hasattr(config, "tensor_model_parallel_size"):
+            raise ProgramError(
+                "model_provider must return a Megatron-Core module whose .config is its TransformerConfig"
+            )
+        for name, want in (
+            ("tensor_model_parallel_size", tensor_parallel),
+            ("pipeline_model_parallel_size", pipeline_parallel),
+        ):
+            if getattr(config, name) != want:
+                raise ProgramError(f"the model's TransformerConfig has {name}={getattr(config, name)}, the job {want}")
+        return config
+
+    def build_dataset(self, num_samples: int) -> Any:
+        dataset = _user_call("dataset_provider", self.dataset_provider, num_samples)
+        size = dataset_size(dataset)
+        if size < 1:
+            raise ProgramError("dataset_provider returned an empty data set")
+        return dataset
+
+    def describe(self) -> dict[str, Any]:
+        return dict(self.description)
+
+    def flops(self, global_batch_size: int, tokens: int, parameters: float) -> float:
+        del global_batch_size
+        per_token = self.flops_per_token or 6.0 * parameters
+        return per_token * tokens
+
+
+def _user_call(name: str, function: Callable[..., Any], *args: Any) -> Any:
+    """Calls the user's ``function``; an exception it raises becomes a ProgramError that names
+    it and keeps the original (and its traceback) as the cause."""
+    try:
+        return function(*args)
+    except ProgramError:
+        raise
+    except Exception as exc:
+        raise ProgramError(f"{name} raised {type(exc).__name__}: {exc}") from exc
+
+
+def dataset_size(dataset: Any) -> int:
+    try:
+        return len(dataset)
+    except TypeError:
+        raise ProgramError(
+            f"dataset_provider must return a data set with len() and ds[index], got {type(dataset).__name__}"
+        ) from None
+
+
+def collate(samples: Sequence[Any]) -> Any:
+    """Stacks samples (dicts or tuples of tensors, or tensors) into one micro-batch."""
+    import numpy as np
+    import torch
+
+    first = samples[0]
+
+    def stack(values: list[Any]) -> Any:
+        if isinstance(values[0], np.ndarray):
+            values = [torch.from_numpy(np.asarray(v)) for v in values]
+        if isinstance(values[0], torch.Tensor):
+            return torch.stack(values)
+        if isinstance(values[0], (int, float)):
+            return torch.tensor(values)
+        raise ProgramError(f"samples must hold tensors or arrays, got {type(values[0]).__name__}")
+
+    if isinstance(first, Mapping):
+        return {key: stack([s[key] for s in samples]) for key in first}
+    if isinstance(first, (tuple, list)):
+        return tuple(stack([s[i] for s in samples]) for i in range(len(first)))
+    return stack(list(samples))
+
+
+def sample_length(sample: Any) -> int:
+    """Tokens per sample: the length of its ``tokens`` entry (or of its first tensor)."""
+    value = sample.get("tokens", next(iter(sample.values()))) if isinstance(sample, Mapping) else sample
+    if isinstance(value, (tuple, list)):
+        value = value[0]
+    shape = getattr(value, "shape", None)
+    if not shape:
+        raise ProgramError("cannot tell the sequence length from the data set's samples; give seq_length")
+    return int(shape[-1])
