@@ -52,9 +52,10 @@ class ModelConfig:
         return asdict(self)
 
     def parameters(self) -> float:
-        """Parameter count (untied embeddings, learned positions, 4h FFN)."""
+        """Parameter count (bias-free linear layers with a 4h FFN, two layer norms per layer and a
+        final one, untied embeddings, learned positions)."""
         layers, h, v, s = self.num_layers, self.hidden_size, self.vocab_size, self.seq_length
-        return 12.0 * layers * h * h + 13.0 * layers * h + (2 * v + s) * h
+        return 12.0 * layers * h * h + 4.0 * layers * h + 2.0 * h + (2 * v + s) * h
 
     def flops_per_token(self) -> float:
         """Forward+backward model FLOPs per token (Narayanan et al. 2021):
@@ -97,6 +98,10 @@ def model_provider(model: ModelConfig) -> Callable[[bool, bool], GPTModel]:
             attention_dropout=0.0,
             params_dtype=torch.float32,
             pipeline_dtype=torch.float32,
+            # No biases in the linear layers (as in LLaMA and PaLM): the attention's key bias has
+            # no gradient at all (softmax ignores a shift), so Adam would turn its rounding noise
+            # into lr-sized steps, and runs under different DP degrees would drift apart there.
+            add_bias_linear=False,
             # Every TP rank draws the full weight from the same seed and keeps its slice, so the
             # initial model does not depend on the TP degree (and it is required on CPU).
             use_cpu_initialization=True,

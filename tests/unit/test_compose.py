@@ -26,6 +26,8 @@ UNICRON_SERVICES = ("coordinator", "planner", "agent")
 # code generation (the image's build stage pins grpcio-tools itself).
 NOT_IN_IMAGE = {"pytest", "pytest-timeout", "hypothesis", "ruff", "mypy", "matplotlib", "grpcio-tools"}
 NOT_IN_IMAGE |= {"kubernetes-validate", "types-pyyaml", "types-protobuf"}
+# The digits example's data set ships inside scikit-learn; the image carries the GPT example only.
+NOT_IN_IMAGE |= {"scikit-learn"}
 
 
 def load(name: str) -> dict[str, Any]:

@@ -20,7 +20,6 @@ from unicron.trainer.program import (
     ProgramError,
     Training,
 )
-from unicron.v1 import common_pb2
 
 
 @dataclass(frozen=True)
@@ -114,29 +113,10 @@ def train_program(program: MegatronProgram, training: Training | None = None, *,
     if run is None and os.environ.get(runtime.AGENT_ENV):
         run = runtime.attach()
     if run is None:
-        run = runtime.attach_local(_local_spec(training or Training()), checkpoint_dir)
+        run = runtime.attach_local(loop.local_spec(training or Training()), checkpoint_dir)
     if run.finished:
         raise ProgramError("pretrain() was called again after the job's last iteration")
     loop.train(run, program)
     if run.stop.is_set() and run.iteration < run.spec.training.iterations:
         raise SystemExit(runtime.EXIT_STOPPED)
     runtime.finish(run)
-
-
-def _local_spec(training: Training) -> common_pb2.JobSpec:
-    """The job spec of a run without Unicron, from its training settings."""
-    spec = common_pb2.JobSpec(name="local")
-    spec.parallelism.tensor = training.tensor_parallel
-    spec.parallelism.pipeline = training.pipeline_parallel
-    t = spec.training
-    t.iterations = training.iterations
-    t.global_batch_size = training.global_batch_size
-    t.micro_batch_size = training.micro_batch_size
-    t.learning_rate = training.learning_rate
-    t.seed = training.seed
-    t.checkpoint_interval = training.checkpoint_interval
-    t.lr_warmup_iterations = training.lr_warmup_iterations
-    t.lr_decay_style = training.lr_decay_style
-    t.min_learning_rate = training.min_learning_rate
-    t.weight_decay = training.weight_decay
-    return spec

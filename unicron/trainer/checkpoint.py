@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from unicron.trainer.engine import MegatronTrainer
+    from unicron.trainer.protocol import Trainer
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +86,9 @@ def layout_of_config(description: dict[str, Any], tensor_parallel: int, pipeline
     return Layout(json.dumps(description, sort_keys=True, default=str), tensor_parallel, pipeline_parallel)
 
 
-def layout_of(trainer: MegatronTrainer) -> Layout:
-    return layout_of_config(trainer.program.describe(), trainer.tensor_parallel, trainer.pipeline_parallel)
+def layout_of(trainer: Trainer) -> Layout:
+    layout = trainer.layout()
+    return layout_of_config(layout["model"], layout["tensor_parallel"], layout["pipeline_parallel"])
 
 
 @dataclass(frozen=True)
@@ -304,7 +305,7 @@ def flag_device() -> torch.device:
     return torch.device("cpu")
 
 
-def save(trainer: MegatronTrainer, root: str | Path) -> bool:
+def save(trainer: Trainer, root: str | Path) -> bool:
     """Collective: every rank of the job calls it after the same iteration. Returns whether the
     checkpoint became complete (known on global rank 0; other ranks return True once their
     part is done). A failure to write is logged, never raised: training goes on."""
@@ -373,7 +374,7 @@ def fits(current: dict[str, Any]) -> Callable[[dict[str, Any]], None]:
     return check
 
 
-def restore(trainer: MegatronTrainer, root: str | Path) -> Restored:
+def restore(trainer: Trainer, root: str | Path) -> Restored:
     """Collective: every rank calls it before training. Loads the newest checkpoint that is
     good on every rank into ``trainer`` (which then continues from its iteration), or leaves
     the fresh model when there is none."""

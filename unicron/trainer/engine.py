@@ -144,7 +144,9 @@ class MegatronTrainer:
             module=module,
         )
         self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(optimizer="adam", lr=t.learning_rate, weight_decay=t.weight_decay),
+            OptimizerConfig(
+                optimizer="adam", lr=t.learning_rate, min_lr=t.min_learning_rate, weight_decay=t.weight_decay
+            ),
             [self.model],
         )
         decay = max(1, t.lr_decay_iterations or t.iterations)
@@ -207,6 +209,10 @@ class MegatronTrainer:
             int(parallel_state.get_tensor_model_parallel_rank()),
             int(parallel_state.get_pipeline_model_parallel_rank()),
         )
+
+    def data_parallel_group(self) -> Any:
+        """The ranks that hold this rank's shard (a peer transfer runs among them)."""
+        return parallel_state.get_data_parallel_group()
 
     def layout(self) -> dict[str, Any]:
         """What a checkpoint must match to be loaded here: the program's description of its

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from unicron.jobspec import DEFAULT_CHECKPOINT_INTERVAL
 from unicron.trainer.program import MegatronProgram, Training
+from unicron.trainer.protocol import T
 from unicron.trainer.runtime import (
     SOURCE_LIVE,
     Decision,
@@ -50,6 +51,25 @@ def training_of(spec: common_pb2.JobSpec) -> Training:
         min_learning_rate=t.min_learning_rate,
         weight_decay=t.weight_decay,
     )
+
+
+def local_spec(training: Training) -> common_pb2.JobSpec:
+    """The job spec of a run without Unicron, from its training settings."""
+    spec = common_pb2.JobSpec(name="local")
+    spec.parallelism.tensor = training.tensor_parallel
+    spec.parallelism.pipeline = training.pipeline_parallel
+    t = spec.training
+    t.iterations = training.iterations
+    t.global_batch_size = training.global_batch_size
+    t.micro_batch_size = training.micro_batch_size
+    t.learning_rate = training.learning_rate
+    t.seed = training.seed
+    t.checkpoint_interval = training.checkpoint_interval
+    t.lr_warmup_iterations = training.lr_warmup_iterations
+    t.lr_decay_style = training.lr_decay_style
+    t.min_learning_rate = training.min_learning_rate
+    t.weight_decay = training.weight_decay
+    return spec
 
 
 def cuda_device(visible: int, rank: int) -> int:
@@ -247,11 +267,11 @@ def next_step(trainer: MegatronTrainer, resume: PartialStep | None, log: logging
 
 def apply_reform(
     run: Run,
-    trainer: MegatronTrainer,
+    trainer: T,
     reform: trainer_service_pb2.AgentReform,
     keep_state: bool,
     parked: reforming.Parked | None = None,
-) -> MegatronTrainer:
+) -> T:
     """Moves this rank to the new process group of ``reform`` and returns its new trainer
     (``trainer`` is closed). When the group cannot be formed (a peer died meanwhile), the
     failure is handled as a failed step's: a newer reform, pending or the agent's answer to
@@ -282,11 +302,11 @@ def apply_reform(
 
 def _reform_once(
     run: Run,
-    trainer: MegatronTrainer,
+    trainer: T,
     reform: trainer_service_pb2.AgentReform,
     keep_state: bool,
     parked: reforming.Parked | None,
-) -> MegatronTrainer:
+) -> T:
     from unicron.trainer import reform as reforming
 
     log = logging.getLogger("trainer")

@@ -74,7 +74,8 @@ import torch
 import torch.distributed as dist
 
 from unicron.trainer import checkpoint
-from unicron.trainer.engine import MegatronTrainer, PartialStep
+from unicron.trainer.engine import PartialStep
+from unicron.trainer.protocol import T, Trainer
 from unicron.trainer.snapshot import restore_nearest
 
 # isort: split
@@ -87,6 +88,9 @@ SOURCE_PEER = "peer"
 NO_STATE = -1
 _HEADER_BYTES = 8 + 32  # payload length (little-endian uint64) + sha256 digest
 _ARRIVED_KEY = "unicron/arrived"
+# A peer transfer's chunk: bounded, so that a shard of many GB never needs a second whole copy
+# on the device, and large enough that the per-broadcast overhead does not matter.
+CHUNK_BYTES = 64 << 20
 _ARRIVAL_POLL_S = 0.01
 
 
@@ -137,7 +141,7 @@ def snapshot_of(state: dict[str, Any]) -> Snapshot:
     return Snapshot(int(state["iteration"]), data, hashlib.sha256(data).hexdigest())
 
 
-def capture(trainer: MegatronTrainer) -> Snapshot:
+def capture(trainer: Trainer) -> Snapshot:
     """A copy of ``trainer``'s state that outlives the trainer and its process group."""
     return snapshot_of(trainer.state_dict())
 
@@ -156,7 +160,7 @@ def _forget_megatron_groups() -> None:
             setattr(parallel_state, name, None)
 
 
-def teardown(trainer: MegatronTrainer | None) -> str:
+def teardown(trainer: Trainer | None) -> str:
     """Destroys Megatron's parallel state and the whole torch.distributed world, releasing
     ``trainer``'s model and optimizer (see the module docstring on why this does not hang with
     gloo). Returns the backend that was in use.
@@ -189,7 +193,7 @@ class Parked:
     partial: PartialStep | None
 
 
-def park(trainer: MegatronTrainer) -> Parked:
+def park(trainer: Trainer) -> Parked:
     """Captures ``trainer``'s state and leaves the process group at once, while the decision
     on the error is awaited: peers blocked in a collective with this rank fail now and report
     too, and the reform that follows only has to join the new group. ``trainer`` is released."""
@@ -276,14 +280,14 @@ def _await_listener(
             time.sleep(poll_s)
 
 
-def rebuild(old: MegatronTrainer, timeout: timedelta | None = None) -> MegatronTrainer:
+def rebuild(old: T, timeout: timedelta | None = None) -> T:
     """A fresh trainer with ``old``'s program and settings (and collective timeout, unless
     given) on the current process group."""
     return old.rebuild(timeout)
 
 
 def reform(
-    trainer: MegatronTrainer,
+    trainer: T,
     new_rank: int,
     new_world: int,
     master_addr: str,
@@ -296,7 +300,7 @@ def reform(
     parked: Parked | None = None,
     snapshot_dir: str = "",
     superseded: Callable[[], bool] = lambda: False,
-) -> tuple[MegatronTrainer, checkpoint.Restored]:
+) -> tuple[T, checkpoint.Restored]:
     """Moves this rank from its process group to a new one and returns the new trainer and
     where its state came from. ``trainer`` is released (closed, without model and optimizer).
     ``keep_state=False`` (its state is not consistent, e.g. a step failed halfway through the
@@ -317,7 +321,7 @@ def reform(
         "joining a new process group",
         extra={"rank": new_rank, "world_size": new_world, "master": f"{master_addr}:{master_port}"},
     )
-    new: MegatronTrainer | None = None
+    new: T | None = None
     try:
         join(new_rank, new_world, master_addr, master_port, timeout, backend, superseded)
         new = rebuild(trainer, timeout)
@@ -331,7 +335,7 @@ def reform(
     return new, restored
 
 
-def receive_state(trainer: MegatronTrainer, checkpoint_dir: str = "", snapshot_dir: str = "") -> checkpoint.Restored:
+def receive_state(trainer: Trainer, checkpoint_dir: str = "", snapshot_dir: str = "") -> checkpoint.Restored:
     """The part of a rank without state in ``exchange_state`` (collective)."""
     return exchange_state(trainer, None, checkpoint_dir, snapshot_dir=snapshot_dir)
 
@@ -379,11 +383,14 @@ def _gather_table(iteration: int, shard: tuple[int, int]) -> list[tuple[int, int
     return [(int(t[0]), int(t[1]), int(t[2])) for t in everyone]
 
 
-def _broadcast_snapshot(snapshot: Snapshot | None, src: int, iteration: int, corrupt: bool = False) -> Snapshot:
-    """Broadcasts ``snapshot`` from global rank ``src`` over this rank's data-parallel group;
-    every member returns what it received (the source: what it sent). ``corrupt`` flips one
-    byte of the payload after the checksum was taken (tests of the fallback)."""
-    group = parallel_state.get_data_parallel_group()
+def _broadcast_snapshot(
+    snapshot: Snapshot | None, src: int, iteration: int, group: Any, corrupt: bool = False
+) -> Snapshot:
+    """Broadcasts ``snapshot`` from global rank ``src`` over ``group`` (this rank's data-parallel
+    group; None: the world); every member returns what it received (the source: what it
+    sent). The payload goes in chunks of CHUNK_BYTES, so no rank holds a second device copy of
+    a whole shard. ``corrupt`` flips one byte of the payload after the checksum was taken
+    (tests of the fallback)."""
     device = _device()
     header = torch.zeros(_HEADER_BYTES, dtype=torch.uint8, device=device)
     payload: bytes = b""
@@ -400,19 +407,24 @@ def _broadcast_snapshot(snapshot: Snapshot | None, src: int, iteration: int, cor
     dist.broadcast(header, src=src, group=group)
     raw = header.cpu().numpy().tobytes()
     size, digest = int.from_bytes(raw[:8], "little"), raw[8:].hex()
-    if dist.get_rank() == src:
-        body = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
-    else:
-        body = torch.empty(size, dtype=torch.uint8, device=device)
-    dist.broadcast(body, src=src, group=group)
+    received = bytearray(size) if dist.get_rank() != src else bytearray()
+    for start in range(0, size, CHUNK_BYTES):
+        end = min(size, start + CHUNK_BYTES)
+        if dist.get_rank() == src:
+            chunk = torch.frombuffer(bytearray(payload[start:end]), dtype=torch.uint8).to(device)
+        else:
+            chunk = torch.empty(end - start, dtype=torch.uint8, device=device)
+        dist.broadcast(chunk, src=src, group=group)
+        if dist.get_rank() != src:
+            received[start:end] = chunk.cpu().numpy().tobytes()
     if dist.get_rank() == src:
         assert snapshot is not None
         return snapshot
-    return Snapshot(iteration, body.cpu().numpy().tobytes(), digest)
+    return Snapshot(iteration, bytes(received), digest)
 
 
 def exchange_state(
-    trainer: MegatronTrainer,
+    trainer: Trainer,
     snapshot: Snapshot | None,
     checkpoint_dir: str = "",
     corrupt_transfer: bool = False,
@@ -431,7 +443,11 @@ def exchange_state(
         if plan.receivers.get(shard):
             src = plan.sources[shard]
             received = _broadcast_snapshot(
-                snapshot if rank == src else None, src, plan.target, corrupt=corrupt_transfer and rank == src
+                snapshot if rank == src else None,
+                src,
+                plan.target,
+                trainer.data_parallel_group(),
+                corrupt=corrupt_transfer and rank == src,
             )
             if rank in plan.receivers[shard]:
                 snapshot, source = received, SOURCE_PEER

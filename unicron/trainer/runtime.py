@@ -202,6 +202,11 @@ class Run:
 _active: Run | None = None
 
 
+def under_agent() -> bool:
+    """Whether a Unicron agent started this process (its settings are in the environment)."""
+    return bool(os.environ.get(AGENT_ENV))
+
+
 def active() -> Run | None:
     """The run of this process, once attached."""
     return _active

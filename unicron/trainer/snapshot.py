@@ -31,7 +31,7 @@ import torch.distributed as dist
 from unicron.trainer import checkpoint
 
 if TYPE_CHECKING:
-    from unicron.trainer.engine import MegatronTrainer
+    from unicron.trainer.protocol import Trainer
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class SnapshotWriter:
         self._every = every
         self._busy = threading.Lock()
 
-    def after_iteration(self, trainer: MegatronTrainer) -> bool:
+    def after_iteration(self, trainer: Trainer) -> bool:
         """Snapshots ``trainer`` if its iteration is due and no write is in flight; returns
         whether it started one."""
         if self._every <= 0 or trainer.iteration % self._every or not self._busy.acquire(blocking=False):
@@ -88,7 +88,7 @@ class SnapshotWriter:
             self._busy.release()
 
 
-def _serialize(trainer: MegatronTrainer) -> bytes:
+def _serialize(trainer: Trainer) -> bytes:
     state = trainer.state_dict()
     buffer = io.BytesIO()
     torch.save(
@@ -125,7 +125,7 @@ def _holders(root: Path) -> dict[int, list[Path]]:
     return out
 
 
-def _load(directory: Path, iteration: int, trainer: MegatronTrainer) -> dict[str, Any]:
+def _load(directory: Path, iteration: int, trainer: Trainer) -> dict[str, Any]:
     """The verified snapshot of ``iteration`` in ``directory`` for ``trainer``'s shard; raises
     CheckpointError when it is corrupt or of another model, split or shard."""
     snap, digest = _paths(directory, iteration)
@@ -148,7 +148,7 @@ def _load(directory: Path, iteration: int, trainer: MegatronTrainer) -> dict[str
     return payload
 
 
-def restore(trainer: MegatronTrainer, root: str | Path, newer_than: int = 0) -> checkpoint.Restored | None:
+def restore(trainer: Trainer, root: str | Path, newer_than: int = 0) -> checkpoint.Restored | None:
     """Collective: loads the newest snapshot beyond iteration ``newer_than`` that every rank
     has good on its node into ``trainer``; None (trainer untouched) when there is none."""
     holders = {i: dirs for i, dirs in _holders(Path(root)).items() if i > newer_than}
@@ -173,7 +173,7 @@ def restore(trainer: MegatronTrainer, root: str | Path, newer_than: int = 0) -> 
     return None
 
 
-def restore_nearest(trainer: MegatronTrainer, checkpoint_dir: str = "", snapshot_dir: str = "") -> checkpoint.Restored:
+def restore_nearest(trainer: Trainer, checkpoint_dir: str = "", snapshot_dir: str = "") -> checkpoint.Restored:
     """Collective: the state of a rank without a live peer to take it from, nearest first: the
     node's in-memory snapshot when it is newer than the newest persistent checkpoint, else the
     checkpoint, else a fresh model."""

@@ -1,0 +1,155 @@
+"""The plain PyTorch level (unicron.trainer.Session) through real trainer processes: the
+digits example (examples/digits, an MLP of 1.1M parameters) after a shrink, a grow and a
+restart from a checkpoint ends with the parameters of a failure-free run, every tensor within
+1e-6 relative, with the optimizer, LR scheduler and data position carried along."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.trainer.harness import (
+    FakeAgent,
+    ProcessKey,
+    ReformAgent,
+    free_port,
+    relative_difference,
+    run_ranks,
+    start_trainer,
+)
+from unicron.trainer import checkpoint
+from unicron.v1 import common_pb2
+
+ITERATIONS = 20
+
+
+def digits_spec(checkpoint_interval: int = ITERATIONS) -> common_pb2.JobSpec:
+    spec = common_pb2.JobSpec(name="digits")
+    spec.program.entry_point = "examples.digits.train:main"
+    spec.parallelism.data = 1
+    t = spec.training
+    t.iterations, t.global_batch_size, t.micro_batch_size = ITERATIONS, 64, 1
+    t.learning_rate, t.seed, t.checkpoint_interval = 1e-3, 11, checkpoint_interval
+    return spec
+
+
+def final_state(root: Path) -> dict[str, Any]:
+    """The model and optimizer of the newest checkpoint under ``root``, at the last iteration."""
+    iteration = checkpoint.list_complete(root)[0]
+    assert iteration == ITERATIONS
+    manifest = checkpoint.read_manifest(root, iteration)
+    layout = checkpoint.layout_of_config(
+        manifest["layout"]["model"], manifest["layout"]["tensor_parallel"], manifest["layout"]["pipeline_parallel"]
+    )
+    found = checkpoint.find_latest(root, layout)
+    assert found is not None
+    return found[1]
+
+
+def assert_same_state(got: dict[str, Any], want: dict[str, Any]) -> None:
+    assert relative_difference(got["model"], want["model"]) <= 1e-6
+    # Adam's moments too: a state copy that dropped them would diverge later, not now.
+    for index, moments in want["optimizer"]["state"].items():
+        theirs = got["optimizer"]["state"][index]
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert relative_difference({name: theirs[name]}, {name: moments[name]}) <= 1e-6
+    assert got["scheduler"]["last_epoch"] == want["scheduler"]["last_epoch"] == ITERATIONS
+    assert got["scheduler"]["_last_lr"] == pytest.approx(want["scheduler"]["_last_lr"], rel=1e-12)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    work = tmp_path_factory.mktemp("reference")
+    agent = FakeAgent(reattempt=False)
+    try:
+        (result,) = run_ranks(agent, digits_spec(), 1, work, checkpoint_dir=work / "ckpt")
+    finally:
+        agent.stop()
+    assert result.returncode == 0, result.log[-3000:]
+    reports = agent.of(0, "iteration")
+    assert [r.iteration for r in reports] == list(range(1, ITERATIONS + 1))
+    assert reports[-1].loss < 0.5 * reports[0].loss, [round(r.loss, 3) for r in reports]
+    return final_state(work / "ckpt")
+
+
+@pytest.fixture
+def agents() -> Iterator[list[Any]]:
+    made: list[Any] = []
+    yield made
+    for agent in made:
+        agent.stop()
+
+
+def test_a_failure_free_run_learns_and_checkpoints_its_whole_state(reference: dict[str, Any]) -> None:
+    params = sum(t.numel() for t in reference["model"].values())
+    assert params > 1_000_000
+    assert {"model", "optimizer", "scheduler", "rng"} <= set(reference)
+
+
+def test_shrink_by_reform_keeps_the_state_exact(reference: dict[str, Any], tmp_path: Path, agents: list[Any]) -> None:
+    """World 2; rank 1 exits inside iteration 8's gradient all-reduce; rank 0 reports the
+    broken group, reforms into world 1 and trains on with the whole global batch."""
+    port, new_port = free_port(), free_port()
+    agent = ReformAgent({(1, 0): 0}, generation=2, world_size=1, port=new_port, when=ReformAgent.any_error)
+    agents.append(agent)
+    faults = {"UNICRON_TRAINER_FAULT_INJECTION": "1", "UNICRON_TRAINER_FAULTS": "exit@8"}
+    root = tmp_path / "ckpt"
+    ranks = [
+        start_trainer(agent.address, digits_spec(), r, 2, port, tmp_path, 1, root, faults if r else None)
+        for r in (0, 1)
+    ]
+    results = [t.wait() for t in ranks]
+    assert results[1].returncode == 3, results[1].log[-2000:]
+    assert results[0].returncode == 0, results[0].log[-3000:]
+    reports = agent.of((1, 0), "iteration")
+    assert [(r.iteration, r.generation) for r in reports] == [(i, 1 if i < 8 else 2) for i in range(1, ITERATIONS + 1)]
+    assert (reports[7].state_source, reports[7].restored_iteration) == ("live", 7)
+    assert_same_state(final_state(root), reference)
+
+
+def test_grow_takes_the_state_from_a_live_peer(reference: dict[str, Any], tmp_path: Path, agents: list[Any]) -> None:
+    """One rank trains; a second process started with state_from_peer joins at a boundary
+    after iteration 5 (rank 0 slowed from there, so the reform lands mid-run); both finish."""
+    port, new_port = free_port(), free_port()
+    new: ProcessKey = (2, 1)
+
+    def ready(agent: ReformAgent) -> bool:
+        return new in agent.hellos and len(agent.of((1, 0), "iteration")) >= 5
+
+    agent = ReformAgent({(1, 0): 0}, generation=2, world_size=2, port=new_port, when=ready)
+    agents.append(agent)
+    root = tmp_path / "ckpt"
+    slow = {"UNICRON_TRAINER_FAULT_INJECTION": "1", "UNICRON_TRAINER_FAULTS": "slow:0.3@5"}
+    old = start_trainer(agent.address, digits_spec(), 0, 1, port, tmp_path, 1, root, slow)
+    joining = start_trainer(
+        agent.address, digits_spec(), 1, 2, new_port, tmp_path, 2, root, {"UNICRON_TRAINER_STATE_FROM_PEER": "1"}
+    )
+    results = [old.wait(), joining.wait()]
+    for result in results:
+        assert result.returncode == 0, result.log[-3000:]
+    joined = agent.of(new, "iteration")
+    at = joined[0].iteration - 1
+    assert 5 <= at < ITERATIONS and (joined[0].state_source, joined[0].restored_iteration) == ("peer", at)
+    assert [r.iteration for r in agent.of((1, 0), "iteration")] == list(range(1, ITERATIONS + 1))
+    assert_same_state(final_state(root), reference)
+
+
+def test_a_restart_resumes_from_the_checkpoint_exactly(
+    reference: dict[str, Any], tmp_path: Path, agents: list[Any]
+) -> None:
+    """The rank crashes in iteration 13; started again, it resumes from the checkpoint of
+    iteration 10 and redoes 11-13 on the same samples."""
+    root = tmp_path / "ckpt"
+    agent = FakeAgent(reattempt=False)
+    agents.append(agent)
+    spec = digits_spec(checkpoint_interval=5)
+    (crashed,) = run_ranks(agent, spec, 1, tmp_path / "a", root, faults={0: "crash@13"})
+    assert crashed.returncode != 0
+    (resumed,) = run_ranks(agent, spec, 1, tmp_path / "b", root)
+    assert resumed.returncode == 0, resumed.log[-3000:]
+    first = [r for r in agent.of(0, "iteration") if r.state_source][-1]
+    assert (first.iteration, first.state_source, first.restored_iteration) == (11, "checkpoint", 10)
+    assert_same_state(final_state(root), reference)

@@ -1,0 +1,356 @@
+"""The plain PyTorch level: the user keeps their loop; the session gives it the process group,
+the state registration, step boundaries and reports (docs/trainer-library.md).
+
+    session = Session(Training(iterations=200, global_batch_size=64))
+    session.register(model=model, optimizer=optimizer, scheduler=scheduler)
+    for step in session.steps():
+        with step:
+            x, y = dataset[step.samples()]
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            session.all_reduce_gradients(model)
+            optimizer.step()
+            scheduler.step()
+            step.report(loss.item(), tokens=len(x))
+
+A step that raises is caught by ``with step``: reported (classified), and then, as the agent
+decides, redone in a new process group (a reform: the same ranks, or a resized world; the
+batch re-split over the new data-parallel degree) or ended. ``steps()`` yields the same
+iteration again after a reform, so the loop body never sees the failure. At each boundary a
+pending resize or stop is taken, and snapshots and checkpoints are written.
+
+The registered state (model, optimizer, LR scheduler, RNG state, the iteration, which fixes the
+data position) is what moves to a rank that joins from a peer, what snapshots and checkpoints
+hold, and what a restarted rank resumes from. Exactness across a resize needs the loss to be
+the mean over the rank's samples of ``step.samples()``: the gradient average over the
+data-parallel ranks is then the global batch's mean."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from types import TracebackType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from unicron.trainer import runtime
+from unicron.trainer.program import ProgramError, Training
+
+log = logging.getLogger("trainer")
+
+
+class TorchTrainer:
+    """The registered state of a plain PyTorch program, as the runtime's state machinery
+    (reform, peer transfer, snapshots, checkpoints) takes a trainer: one shard, every rank a
+    data-parallel replica. The user's objects stay the user's: a reform keeps them and only
+    the process group changes."""
+
+    tensor_parallel = 1
+    pipeline_parallel = 1
+    shard = (0, 0)
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        device: str,
+        timeout: timedelta | None,
+    ) -> None:
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self._device, self._timeout = device, timeout
+        self.iteration = 0
+        self.update_started = False
+        self.grad_sync_hook: Any = None
+        optimizer.register_step_pre_hook(self._updating)
+
+    def _updating(self, *_: Any) -> None:
+        self.update_started = True
+
+    @property
+    def device(self) -> str:
+        return self._device
+
+    @property
+    def timeout(self) -> timedelta | None:
+        return self._timeout
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return int(dist.get_rank())
+
+    @property
+    def data_parallel_size(self) -> int:
+        return int(dist.get_world_size())
+
+    def data_parallel_group(self) -> Any:
+        return None  # the default group: every rank holds the whole model
+
+    @property
+    def step_is_redoable(self) -> bool:
+        return not self.update_started
+
+    def layout(self) -> dict[str, Any]:
+        """The model's parameter names and shapes, digested: a checkpoint of another model is
+        never loaded."""
+        shapes = [(name, list(p.shape)) for name, p in self.model.state_dict().items()]
+        digest = hashlib.sha256(json.dumps(shapes).encode()).hexdigest()[:16]
+        return {"model": {"parameters": digest}, "tensor_parallel": 1, "pipeline_parallel": 1}
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {
+            "iteration": self.iteration,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "rng": {"torch": torch.get_rng_state()},
+        }
+        if self.scheduler is not None:
+            state["scheduler"] = self.scheduler.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"], strict=True)
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and "scheduler" in state:
+            self.scheduler.load_state_dict(state["scheduler"])
+        if "rng" in state:
+            torch.set_rng_state(state["rng"]["torch"])
+        self.discard_step()
+        self.iteration = int(state["iteration"])
+
+    def discard_step(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        self.update_started = False
+
+    def partial_step(self) -> None:
+        return None  # a plain loop's step is redone whole
+
+    def rebuild(self, timeout: timedelta | None = None) -> TorchTrainer:
+        self._timeout = timeout or self._timeout
+        return self
+
+    def close(self) -> None:
+        pass
+
+    def release(self) -> None:
+        pass  # the user's objects hold no process group: all_reduce_gradients uses the current one
+
+
+class Session:
+    """A plain PyTorch program's link to Unicron (or, without an agent, to torchrun's world)."""
+
+    def __init__(self, training: Training | None = None, *, checkpoint_dir: str = "") -> None:
+        from unicron.trainer import loop
+
+        run = runtime.active()
+        if run is None and runtime.under_agent():
+            run = runtime.attach()
+        if run is None:
+            run = runtime.attach_local(loop.local_spec(training or Training()), checkpoint_dir)
+        self._run = run
+        self.training = loop.training_of(run.spec) if run.supervised else (training or Training())
+        if self.training.tensor_parallel != 1 or self.training.pipeline_parallel != 1:
+            raise ProgramError("the plain PyTorch level is data-parallel only (tensor and pipeline parallel 1)")
+        self._device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self._device == "cuda":
+            torch.cuda.set_device(loop.cuda_device(torch.cuda.device_count(), run.rank))
+        self._from_peer = loop.join_first_group(run, "nccl" if self._device == "cuda" else "gloo")
+        self._trainer: TorchTrainer | None = None
+        self._writer: Any = None
+
+    @property
+    def rank(self) -> int:
+        return int(dist.get_rank())
+
+    @property
+    def world_size(self) -> int:
+        return int(dist.get_world_size())
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self._device)
+
+    @property
+    def iteration(self) -> int:
+        """Iterations completed (the next step's number minus one)."""
+        return self._run.iteration
+
+    def register(self, *, model: Any, optimizer: Any, scheduler: Any = None) -> None:
+        """Registers what makes up the training state and restores it from the nearest source
+        (a live peer, this node's snapshot, the checkpoint), or keeps it fresh."""
+        from unicron.trainer import reform as reforming
+        from unicron.trainer import snapshot as snapshots
+
+        if not isinstance(model, torch.nn.Module):
+            raise ProgramError(f"register(model=...) takes a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ProgramError(
+                "the state registration leaves the optimizer out: register(optimizer=...) takes a"
+                f" torch.optim.Optimizer, got {type(optimizer).__name__}"
+            )
+        owned = {id(p) for p in model.parameters()}
+        if not all(id(p) in owned for group in optimizer.param_groups for p in group["params"]):
+            raise ProgramError("the registered optimizer updates parameters that are not the registered model's")
+        if scheduler is not None and not (hasattr(scheduler, "state_dict") and hasattr(scheduler, "load_state_dict")):
+            raise ProgramError("register(scheduler=...) takes an LR scheduler with state_dict() and load_state_dict()")
+        if self._trainer is not None:
+            raise ProgramError("register() was called twice")
+        config = self._run.config
+        timeout = timedelta(seconds=config.collective_timeout_s)
+        trainer = TorchTrainer(model, optimizer, scheduler, self._device, timeout)
+        if self._run.injector.enabled:
+            trainer.grad_sync_hook = self._run.injector.in_grad_sync
+        if self._from_peer:
+            restored = reforming.receive_state(trainer, config.checkpoint_dir, config.snapshot_dir)
+        else:
+            restored = snapshots.restore_nearest(trainer, config.checkpoint_dir, config.snapshot_dir)
+        self._trainer = trainer
+        self._run.iteration = trainer.iteration
+        self._run.source = (restored.source, restored.iteration)
+        every = config.snapshot_interval if config.snapshot_dir else 0
+        self._writer = snapshots.SnapshotWriter(config.snapshot_dir, self._run.rank, every)
+
+    def samples(self, iteration: int) -> range:
+        """This rank's global sample indices of ``iteration`` (1-based): its contiguous share of
+        the global batch, which a resize re-splits."""
+        t, dp = self.training, self.world_size
+        if t.global_batch_size % dp:
+            raise ProgramError(f"global_batch_size {t.global_batch_size} does not split over {dp} ranks")
+        per_rank = t.global_batch_size // dp
+        first = (iteration - 1) * t.global_batch_size + self.rank * per_rank
+        return range(first, first + per_rank)
+
+    def all_reduce_gradients(self, model: torch.nn.Module) -> None:
+        """Averages the gradients of ``model`` over the data-parallel ranks of the current
+        process group (after backward, before the optimizer's step)."""
+        # Faults injected for this iteration fire here, inside the step: a plain loop's step
+        # has no earlier point the library sees.
+        self._run.injector.before_step(self._run.iteration + 1)
+        if self._trainer is not None and self._trainer.grad_sync_hook is not None:
+            self._trainer.grad_sync_hook()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        if not grads or self.world_size == 1:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        flat /= self.world_size
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def steps(self) -> Iterator[Step]:
+        """The job's remaining iterations, one Step each; a step that failed and was reformed
+        comes again. Ends at the last iteration (after telling the agent), or when stopped."""
+        from unicron.trainer import checkpoint, loop
+
+        if self._trainer is None:
+            raise ProgramError("register(model=..., optimizer=...) must come before steps()")
+        run, config = self._run, self._run.config
+        interval = self.training.checkpoint_interval
+        while run.iteration < self.training.iterations and not run.stop.is_set():
+            reform = runtime.poll_reform(run)
+            if reform is not None:  # at a boundary: nothing in flight
+                self._trainer = loop.apply_reform(run, self._trainer, reform, keep_state=True)
+                continue
+            step = Step(self, run.iteration + 1)
+            yield step
+            if step.redo:
+                continue
+            self._trainer.iteration = run.iteration = step.iteration
+            run.stepped, run.step_seconds = True, step.seconds
+            self._report(step)
+            self._trainer.update_started = False
+            if config.checkpoint_dir and interval and run.iteration % interval == 0:
+                checkpoint.save(self._trainer, config.checkpoint_dir)
+            self._writer.after_iteration(self._trainer)
+        if run.stop.is_set() and run.iteration < self.training.iterations:
+            raise SystemExit(runtime.EXIT_STOPPED)
+        runtime.finish(run)
+
+    def _report(self, step: Step) -> None:
+        from unicron.v1 import node_service_pb2, trainer_service_pb2
+
+        run = self._run
+        report = node_service_pb2.IterationReport(
+            job_id=run.config.job_id,
+            generation=run.generation,
+            rank=run.rank,
+            iteration=step.iteration,
+            loss=step.loss,
+            seconds=step.seconds,
+            tokens=step.tokens * self.world_size,
+            compute_seconds=step.seconds,
+        )
+        if run.source is not None:
+            report.state_source, report.restored_iteration = run.source
+            run.source = None
+        run.link.send(trainer_service_pb2.ConnectRequest(iteration=report))
+
+    def _failed(self, step: Step, exc: BaseException) -> bool:
+        """What ``with step`` does with an error: True when the step is to be redone (after a
+        reform), False to let the error end the rank."""
+        from unicron.trainer import loop
+        from unicron.trainer import reform as reforming
+
+        run, trainer = self._run, self._trainer
+        assert trainer is not None
+        redoable = trainer.step_is_redoable
+        parked: list[reforming.Parked] = []
+
+        def leave_group() -> None:
+            parked.append(reforming.park(trainer))
+
+        decision = runtime.after_failure(run, exc, redoable, leave_group if redoable else None)
+        if decision is runtime.Decision.STOP:
+            run.stop.set()
+            return True
+        if decision is not runtime.Decision.REFORM:
+            return False
+        run.reported = None
+        assert run.pending_reform is not None
+        self._trainer = loop.apply_reform(
+            run, trainer, run.pending_reform, keep_state=redoable, parked=parked[0] if parked else None
+        )
+        return True
+
+
+class Step:
+    """One iteration of the user's loop. ``with step:`` catches what the body raises."""
+
+    def __init__(self, session: Session, iteration: int) -> None:
+        self.session = session
+        self.iteration = iteration
+        self.loss = float("nan")
+        self.tokens = 0
+        self.seconds = 0.0
+        self.redo = False
+        self._started = 0.0
+
+    def samples(self) -> range:
+        """This rank's global sample indices of this step."""
+        return self.session.samples(self.iteration)
+
+    def report(self, loss: float, tokens: int = 0) -> None:
+        """This rank's loss of the step (its samples' mean) and the tokens (or samples) it saw."""
+        self.loss, self.tokens = float(loss), int(tokens)
+
+    def __enter__(self) -> Step:
+        self._started = time.perf_counter()
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> bool:
+        self.seconds = time.perf_counter() - self._started
+        if exc is None:
+            return False
+        if not isinstance(exc, Exception):
+            return False  # KeyboardInterrupt, SystemExit: not ours to handle
+        runtime.release_frames(exc)
+        self.redo = self.session._failed(self, exc)
+        return self.redo
