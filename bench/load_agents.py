@@ -160,8 +160,6 @@ class SimAgent:
             held = self.jobs.get(job_id)
             if held is not None and (generation == 0 or held.generation <= generation):
                 del self.jobs[job_id]
-        elif kind == "reattempt":
-            job_id, generation = command.reattempt.job_id, command.reattempt.generation
         elif kind == "inject_fault":
             job_id, generation = command.inject_fault.job_id, command.inject_fault.generation
         self.last_command = command.command_id

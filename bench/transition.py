@@ -648,7 +648,7 @@ def _fake_agent_class() -> type:
         def __init__(self) -> None:
             self.arrivals: list[Arrival] = []
             self._arrived = threading.Condition()
-            super().__init__(reattempt=False)
+            super().__init__()
 
         def Connect(self, request_iterator: Iterator[tpb.ConnectRequest], context: Any) -> Any:
             return super().Connect(self._timed(request_iterator), context)

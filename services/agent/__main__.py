@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import socket
 import sys
 from collections.abc import Callable
@@ -29,6 +30,10 @@ class AgentConfig(TLSConfig):
     bind: str = "127.0.0.1:0"
     coordinator: str = "127.0.0.1:50051"
     slots: int = 2
+    # The node's GPUs, one per slot, each trainer seeing only its slot's (CUDA_VISIBLE_DEVICES):
+    # "auto" (the GPUs this agent sees: its own CUDA_VISIBLE_DEVICES, else /dev/nvidiaN),
+    # "none", or a list of ids such as "0,1,2,3".
+    gpus: str = "auto"
     failure_domain: str = ""
     work_dir: str = "run/agent"
     # Where the job's trainers keep persistent checkpoints (a directory per job). All
@@ -64,6 +69,11 @@ class AgentConfig(TLSConfig):
         require(":" in self.bind, "bind", "must be host:port")
         require(":" in self.coordinator, "coordinator", "must be host:port")
         require(self.slots >= 1, "slots", "must be at least 1")
+        require(
+            self.gpus in ("auto", "none") or all(part.strip() for part in self.gpus.split(",")),
+            "gpus",
+            "must be auto, none or a comma-separated list of GPU ids",
+        )
         require(self.stop_grace_s >= 0, "stop_grace_s", "must not be negative")
         require(self.max_workers >= 4, "max_workers", "must be at least 4")
         require(0 <= self.warm_spares <= 64, "warm_spares", "must be between 0 and 64")
@@ -104,6 +114,20 @@ def security(config: AgentConfig, tokens: WorkerTokens) -> ServerSecurity:
     return server_security(config, tokens.lookup, certificates=False)
 
 
+def node_gpus(setting: str, visible: str | None = None, dev: Path = Path("/dev")) -> tuple[str, ...]:
+    """The GPU ids a node's slots take, from the ``gpus`` setting: "auto" reads the agent's own
+    CUDA_VISIBLE_DEVICES (``visible``), else counts the /dev/nvidiaN device files."""
+    if setting == "none":
+        return ()
+    if setting != "auto":
+        return tuple(part.strip() for part in setting.split(","))
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES") if visible is None else visible
+    if visible is not None:
+        return tuple(part.strip() for part in visible.split(",") if part.strip())
+    found = sorted(int(p.name[6:]) for p in dev.glob("nvidia[0-9]*") if p.name[6:].isdigit())
+    return tuple(str(i) for i in found)
+
+
 def setup(
     config: AgentConfig, server: rpc.Server, log: logging.Logger, tokens: WorkerTokens | None = None
 ) -> Callable[[], None]:
@@ -113,6 +137,7 @@ def setup(
         AgentSettings(
             node_id=config.node_id,
             slots=config.slots,
+            gpus=node_gpus(config.gpus),
             failure_domain=config.failure_domain,
             work_dir=work_dir,
             checkpoint_dir=Path(config.checkpoint_dir or Path(config.work_dir) / "checkpoints"),

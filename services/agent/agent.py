@@ -88,6 +88,8 @@ class AgentSettings:
     # How trainers reach this agent: UNICRON_TRAINER_TLS_* (the agent's own certificate: a
     # trainer is the agent's child, on its node) or UNICRON_TRAINER_PLAINTEXT.
     trainer_env: Mapping[str, str] = field(default_factory=dict)
+    # The node's GPU ids, one per slot (empty: no GPUs); a trainer sees its slot's alone.
+    gpus: tuple[str, ...] = ()
 
 
 def trainer_base_env() -> dict[str, str]:
@@ -185,7 +187,7 @@ class Agent:
             trainer_base_env(),
             settings.work_dir,
         )
-        self.supervisor = Supervisor(settings.work_dir, self._worker_exited, spares)
+        self.supervisor = Supervisor(settings.work_dir, self._worker_exited, spares, settings.gpus)
         self._spares = spares
         self.link = TrainerLink(
             settings.node_id,
@@ -523,9 +525,6 @@ class Agent:
             self._apply_and_ack(
                 command, "reform", reform.job_id, reform.assignment.generation, lambda: self._reform(reform)
             )
-        elif kind == "reattempt":
-            with self._transition_span(command, "reattempt", command.reattempt.job_id, command.reattempt.generation):
-                self._reattempt(command.reattempt)
         elif kind == "inject_fault":
             self._inject(command.inject_fault)
         else:
@@ -556,19 +555,6 @@ class Agent:
             error=error,
         )
         self._send("command ack", functools.partial(self._stub.AckCommand, request, timeout=RPC_TIMEOUT_S))
-
-    def _reattempt(self, reattempt: pb.Reattempt) -> None:
-        """Lets the job's live trainers here redo their interrupted iteration."""
-        message = trainer_service_pb2.ConnectResponse(
-            reattempt=trainer_service_pb2.AgentReattempt(incident_id=reattempt.incident_id)
-        )
-        with self._monitors_lock:
-            self._flush_next.add((reattempt.job_id, reattempt.generation))
-        told = self.link.broadcast(reattempt.job_id, message, generation=reattempt.generation)
-        log.info(
-            "reattempt in place",
-            extra={"job_id": reattempt.job_id, "incident": reattempt.incident_id, "trainers": told},
-        )
 
     def _apply_and_ack(
         self, command: pb.NodeCommand, action: str, job_id: str, generation: int, apply: Callable[[], None]

@@ -1,5 +1,9 @@
 """Trainer processes of one node. A thread blocks in wait() on each child, so the agent
-learns of an exit the moment it happens rather than on a polling interval."""
+learns of an exit the moment it happens rather than on a polling interval.
+
+Each process is a worker with a stable identity for life: its id, pid, log files and slot
+(the node's GPU it holds). What a reform changes is its membership, the (job, generation,
+rank) key it is found by; the worker, and so its logs and its GPU, stay the same."""
 
 from __future__ import annotations
 
@@ -28,6 +32,19 @@ class WorkerKey:
     rank: int
 
 
+@dataclass
+class Worker:
+    """One trainer process for its whole life. ``key`` is its membership now (a reform moves
+    it); everything else is fixed at launch."""
+
+    worker_id: str
+    proc: subprocess.Popen[bytes]
+    out_path: Path
+    err_path: Path
+    slot: int  # index of the node's slot, and of its GPU where the node has GPUs
+    key: WorkerKey
+
+
 @dataclass(frozen=True)
 class WorkerExit:
     key: WorkerKey
@@ -44,12 +61,22 @@ REGISTRY_FILE = "trainers.json"
 
 
 class Supervisor:
-    def __init__(self, work_dir: Path, on_exit: Callable[[WorkerExit], None], spares: SparePool | None = None) -> None:
+    def __init__(
+        self,
+        work_dir: Path,
+        on_exit: Callable[[WorkerExit], None],
+        spares: SparePool | None = None,
+        gpus: Sequence[str] = (),
+    ) -> None:
+        """``gpus``: the node's GPU ids, one per slot; a worker sees only its slot's
+        (CUDA_VISIBLE_DEVICES). Empty: a node without GPUs."""
         self._work_dir = work_dir
         self._on_exit = on_exit
         self._spares = spares
         self._lock = threading.Lock()
-        self._procs: dict[WorkerKey, subprocess.Popen[bytes]] = {}
+        self._workers: dict[WorkerKey, Worker] = {}
+        self._gpus = tuple(gpus)
+        self._launched = 0
         self._stopping: set[WorkerKey] = set()
         # Set by close(): the agent is going away, and a trainer started now (a command that
         # raced the shutdown) would outlive it.
@@ -64,6 +91,13 @@ class Supervisor:
         log_dir.mkdir(parents=True, exist_ok=True)
         stem = log_dir / f"gen{key.generation}-rank{key.rank}"
         out_path, err_path = Path(f"{stem}.out"), Path(f"{stem}.err")
+        with self._lock:
+            slot = self._free_slot()
+            self._launched += 1
+            worker_id = f"w{self._launched}"
+        env = dict(env)
+        if self._gpus:
+            env["CUDA_VISIBLE_DEVICES"] = self._gpus[slot % len(self._gpus)]
         proc = None
         if spare and self._spares is not None:
             proc = self._spares.take(argv, env, out_path, err_path)
@@ -72,7 +106,7 @@ class Supervisor:
             with open(out_path, "ab") as out, open(err_path, "ab") as err:
                 proc = subprocess.Popen(
                     list(argv),
-                    env=dict(env),
+                    env=env,
                     stdout=out,
                     stderr=err,
                     stdin=subprocess.DEVNULL,
@@ -80,16 +114,17 @@ class Supervisor:
                     # at the agent's terminal does not reach trainers behind the agent's back.
                     start_new_session=True,
                 )
+        worker = Worker(worker_id, proc, out_path, err_path, slot, key)
         with self._lock:
             closed = self._closed
             if not closed:
-                self._procs[key] = proc
+                self._workers[key] = worker
                 self._write_registry()
         if closed:
             _signal_group(proc, signal.SIGKILL)
             proc.wait()
             raise OSError(f"the agent is stopping: trainer {key} not started")
-        threading.Thread(target=self._wait, args=(key, proc, err_path), name=f"wait-{key.rank}", daemon=True).start()
+        threading.Thread(target=self._wait, args=(worker,), name=f"wait-{worker_id}", daemon=True).start()
         log.info(
             "trainer started",
             extra={
@@ -97,6 +132,8 @@ class Supervisor:
                 "rank": key.rank,
                 "pid": proc.pid,
                 "generation": key.generation,
+                "worker": worker_id,
+                "slot": slot,
                 "warm": warm,
             },
         )
@@ -105,8 +142,16 @@ class Supervisor:
     def _write_registry(self) -> None:
         """Rewrites the registry (caller holds the lock); atomically, for readers."""
         entries = [
-            {"pid": p.pid, "job_id": k.job_id, "generation": k.generation, "rank": k.rank}
-            for k, p in self._procs.items()
+            {
+                "worker": w.worker_id,
+                "pid": w.proc.pid,
+                "slot": w.slot,
+                "job_id": k.job_id,
+                "generation": k.generation,
+                "rank": k.rank,
+                "stderr": str(w.err_path),
+            }
+            for k, w in self._workers.items()
         ]
         path = self._work_dir / REGISTRY_FILE
         try:
@@ -125,21 +170,27 @@ class Supervisor:
         if self._spares is not None:
             self._spares.close()
 
-    def _wait(self, key: WorkerKey, proc: subprocess.Popen[bytes], err_path: Path) -> None:
-        code = proc.wait()
+    def _free_slot(self) -> int:
+        """The lowest slot no live worker holds (caller holds the lock)."""
+        held = {w.slot for w in self._workers.values()}
+        return next(i for i in range(len(held) + 1) if i not in held)
+
+    def _wait(self, worker: Worker) -> None:
+        code = worker.proc.wait()
         exited_at = time.time()
         with self._lock:
-            # The process may have joined a newer generation since it started (rekey).
-            key = next((k for k, p in self._procs.items() if p is proc), key)
-            self._procs.pop(key, None)
+            # The worker may have joined a newer generation since it started (rekey).
+            key = worker.key
+            if self._workers.get(key) is worker:
+                del self._workers[key]
             self._write_registry()
             stopped = key in self._stopping
             self._stopping.discard(key)
         tail = ""
         if code != 0:
             try:
-                with open(err_path, "rb") as err:
-                    err.seek(max(0, err_path.stat().st_size - STDERR_TAIL_BYTES))
+                with open(worker.err_path, "rb") as err:
+                    err.seek(max(0, worker.err_path.stat().st_size - STDERR_TAIL_BYTES))
                     tail = err.read().decode(errors="replace")
             except OSError:
                 pass
@@ -150,12 +201,14 @@ class Supervisor:
         self._on_exit(WorkerExit(key, exit_code, sig, tail, stopped, exited_at))
 
     def rekey(self, old: WorkerKey, new: WorkerKey) -> bool:
-        """The process of `old` now runs as `new` (it joined a new generation in place)."""
+        """The worker of `old` now runs as `new` (it joined a new generation in place): its
+        membership changes, its id, pid, logs and slot do not."""
         with self._lock:
-            proc = self._procs.pop(old, None)
-            if proc is None:
+            worker = self._workers.pop(old, None)
+            if worker is None:
                 return False
-            self._procs[new] = proc
+            worker.key = new
+            self._workers[new] = worker
             self._write_registry()
             if old in self._stopping:
                 self._stopping.discard(old)
@@ -164,22 +217,32 @@ class Supervisor:
 
     def pids(self, job_id: str) -> dict[WorkerKey, int]:
         with self._lock:
-            return {k: p.pid for k, p in self._procs.items() if k.job_id == job_id}
+            return {k: w.proc.pid for k, w in self._workers.items() if k.job_id == job_id}
 
     def stderr_path(self, key: WorkerKey) -> Path:
+        """Where the worker now known as ``key`` writes its stderr: the file it was started
+        with, whatever reforms renamed its membership since."""
+        with self._lock:
+            worker = self._workers.get(key)
+        if worker is not None:
+            return worker.err_path
         return self._work_dir / key.job_id / f"gen{key.generation}-rank{key.rank}.err"
+
+    def worker(self, key: WorkerKey) -> Worker | None:
+        with self._lock:
+            return self._workers.get(key)
 
     def running(self, job_id: str | None = None) -> list[WorkerKey]:
         with self._lock:
-            return [k for k in self._procs if job_id is None or k.job_id == job_id]
+            return [k for k in self._workers if job_id is None or k.job_id == job_id]
 
     def stop(self, job_id: str | None = None, grace_s: float = 5.0, max_generation: int = 0) -> None:
         """SIGTERM the job's trainers (all when job_id is None; only generations up to
         max_generation unless it is 0), SIGKILL after grace_s."""
         with self._lock:
             targets = {
-                k: p
-                for k, p in self._procs.items()
+                k: w.proc
+                for k, w in self._workers.items()
                 if (job_id is None or k.job_id == job_id) and (not max_generation or k.generation <= max_generation)
             }
             self._stopping.update(targets)

@@ -95,10 +95,9 @@ def reference_run(spec: common_pb2.JobSpec, store: Path) -> tuple[list[float], d
 
 class FakeAgent(trainer_service_pb2_grpc.TrainerAgentServiceServicer):
     """Welcomes every trainer, records what each rank sends, and answers an error report with
-    a reattempt (when ``reattempt`` is set) or a stop (when ``stop_on_error`` is)."""
+    a stop when ``stop_on_error`` is set (else not at all: the rank gives up after its wait)."""
 
-    def __init__(self, reattempt: bool = True, stop_on_error: bool = False) -> None:
-        self.reattempt = reattempt
+    def __init__(self, stop_on_error: bool = False) -> None:
         self.stop_on_error = stop_on_error
         self.messages: dict[int, list[pb.ConnectRequest]] = defaultdict(list)
         self._lock = threading.Lock()
@@ -121,12 +120,8 @@ class FakeAgent(trainer_service_pb2_grpc.TrainerAgentServiceServicer):
                 for request in request_iterator:
                     with self._lock:
                         self.messages[rank].append(request)
-                    if request.HasField("error"):
-                        if self.stop_on_error:
-                            outbox.put(pb.ConnectResponse(stop=pb.AgentStop(reason="test")))
-                        elif self.reattempt:
-                            incident = f"inc-{rank}-{request.error.iteration}"
-                            outbox.put(pb.ConnectResponse(reattempt=pb.AgentReattempt(incident_id=incident)))
+                    if request.HasField("error") and self.stop_on_error:
+                        outbox.put(pb.ConnectResponse(stop=pb.AgentStop(reason="test")))
             except grpc.RpcError:
                 pass
             outbox.put(None)

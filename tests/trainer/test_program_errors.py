@@ -15,7 +15,7 @@ from unicron.v1 import common_pb2
 
 @pytest.fixture
 def agent() -> Iterator[FakeAgent]:
-    fake = FakeAgent(reattempt=False)
+    fake = FakeAgent()
     yield fake
     fake.stop()
 
@@ -34,7 +34,6 @@ def _spec(entry_point: str, args: list[str] | None = None, data_path: str = "") 
     ("entry_point", "args", "data_path", "cause"),
     [
         ("no_such_package.train:main", None, "", "importing no_such_package.train failed: No module named"),
-        ("tests.examples.programs.broken:nothing_here", None, "", "has no function nothing_here"),
         ("tests.examples.programs.broken:provider_raises", None, "", "dataset_provider raised FileNotFoundError"),
         ("tests.examples.programs.broken:loss_returns_a_mean", None, "", "must return (loss_sum, num_tokens, report)"),
         ("tests.examples.programs.broken:returns_early", None, "", "returned after iteration 0 of 3"),

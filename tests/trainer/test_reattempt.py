@@ -12,11 +12,10 @@ from typing import Any, cast
 
 import pytest
 
-from tests.trainer.harness import FakeAgent
 from unicron.faults import EXCEPTION_TEXTS
-from unicron.trainer.agent_link import AgentLink, LinkCallbacks
+from unicron.trainer.agent_link import AgentLink
 from unicron.trainer.faults import FaultInjector, InjectedFailure
-from unicron.trainer.runtime import Decision, Run, TrainerConfig, after_failure
+from unicron.trainer.runtime import Decision, Run, TrainerConfig, after_failure, enter_generation
 from unicron.v1 import common_pb2
 from unicron.v1 import trainer_service_pb2 as pb
 
@@ -42,16 +41,20 @@ def _run(wait_s: float = 5.0, max_reattempts: int = 3, iteration: int = 1) -> tu
     return run, link
 
 
+def _reform(generation: int = 2) -> pb.AgentReform:
+    return pb.AgentReform(incident_id="inc", generation=generation, rank=0, world_size=1, master_port=29500)
+
+
 def _later(action: Any, delay_s: float = 0.05) -> None:
     timer = threading.Timer(delay_s, action)
     timer.daemon = True
     timer.start()
 
 
-def test_sev3_error_is_reported_first_then_reattempted_on_the_agents_word() -> None:
+def test_sev3_error_is_reported_first_then_reformed_on_the_agents_word() -> None:
     run, link = _run()
-    _later(lambda: run.reattempts.put("inc-1"))
-    assert after_failure(run, InjectedFailure(TIMEOUT_TEXT)) is Decision.REATTEMPT
+    _later(lambda: run.reforms.put(_reform()))
+    assert after_failure(run, InjectedFailure(TIMEOUT_TEXT)) is Decision.REFORM
     [message] = link.sent
     assert message.error.kind == common_pb2.FAILURE_KIND_COLLECTIVE_TIMEOUT
     assert message.error.iteration == 2
@@ -67,14 +70,15 @@ def test_sev3_error_is_reported_first_then_reattempted_on_the_agents_word() -> N
 )
 def test_every_sev3_kind_waits_for_the_agent(text: str) -> None:
     run, _ = _run()
-    run.reattempts.put("stale")  # an answer to an earlier incident is not this one's
-    _later(lambda: run.reattempts.put("inc-2"))
-    assert after_failure(run, RuntimeError(text)) is Decision.REATTEMPT
+    run.generation = 3
+    run.reforms.put(_reform(3))  # an answer to an earlier incident (not newer) is not this one's
+    _later(lambda: run.reforms.put(_reform(4)))
+    assert after_failure(run, RuntimeError(text)) is Decision.REFORM
 
 
 def test_no_answer_within_the_wait_gives_up() -> None:
     run, link = _run(wait_s=0.3)
-    run.reattempts.put("stale")
+    run.reforms.put(_reform(0))  # stale
     start = time.monotonic()
     assert after_failure(run, InjectedFailure(TIMEOUT_TEXT)) is Decision.GIVE_UP
     assert 0.25 <= time.monotonic() - start < 3.0
@@ -102,7 +106,6 @@ def test_losing_the_agent_while_waiting_gives_up() -> None:
 
 def test_errors_that_are_not_sev3_do_not_wait() -> None:
     run, link = _run()
-    run.reattempts.put("inc-1")
     assert after_failure(run, RuntimeError("CUDA error: an illegal memory access was encountered")) is Decision.GIVE_UP
     assert after_failure(run, ValueError("shapes do not align")) is Decision.GIVE_UP
     assert [m.error.kind for m in link.sent] == [
@@ -113,25 +116,24 @@ def test_errors_that_are_not_sev3_do_not_wait() -> None:
 
 def test_a_step_that_already_updated_parameters_is_not_redone() -> None:
     run, link = _run()
-    run.reattempts.put("inc-1")
     assert after_failure(run, InjectedFailure(TIMEOUT_TEXT), redoable=False) is Decision.GIVE_UP
     assert len(link.sent) == 1
 
 
 def test_at_most_max_reattempts_per_iteration() -> None:
     run, link = _run(max_reattempts=2, iteration=4)
-    for _ in range(2):
-        run.reattempts.put("ignored: sent before the error")
-        _later(lambda: run.reattempts.put("inc"))
-        assert after_failure(run, InjectedFailure(TIMEOUT_TEXT)) is Decision.REATTEMPT
+    for generation in (2, 3):
+        _later(lambda g=generation: run.reforms.put(_reform(g)))
+        assert after_failure(run, InjectedFailure(TIMEOUT_TEXT)) is Decision.REFORM
+        enter_generation(run, run.pending_reform)  # type: ignore[arg-type]
     start = time.monotonic()
     assert after_failure(run, InjectedFailure(TIMEOUT_TEXT)) is Decision.GIVE_UP
     assert time.monotonic() - start < 1.0, "the third failure must not wait"
     assert [m.error.iteration for m in link.sent] == [5, 5, 5]
     # The next iteration has its own budget.
     run.iteration = 5
-    _later(lambda: run.reattempts.put("inc"))
-    assert after_failure(run, InjectedFailure(TIMEOUT_TEXT)) is Decision.REATTEMPT
+    _later(lambda: run.reforms.put(_reform(4)))
+    assert after_failure(run, InjectedFailure(TIMEOUT_TEXT)) is Decision.REFORM
 
 
 def test_config_reads_the_new_settings_from_the_environment() -> None:
@@ -149,31 +151,3 @@ def test_config_reads_the_new_settings_from_the_environment() -> None:
     assert (config.checkpoint_dir, config.reattempt_wait_s, config.max_reattempts) == ("/ckpt/j", 2.5, 5)
     defaults = TrainerConfig(job_id="j", agent="a:1", spec="{}")
     assert (defaults.checkpoint_dir, defaults.reattempt_wait_s, defaults.max_reattempts) == ("", 60.0, 3)
-
-
-def test_the_link_delivers_the_agents_reattempt() -> None:
-    agent = FakeAgent()
-    got: list[str] = []
-    answered = threading.Event()
-
-    def on_reattempt(incident: str) -> None:
-        got.append(incident)
-        answered.set()
-
-    link = AgentLink(
-        agent.address,
-        pb.TrainerHello(job_id="j", generation=1, rank=3),
-        LinkCallbacks(
-            on_stop=lambda r: None, on_inject=lambda f: None, on_lost=lambda r: None, on_reattempt=on_reattempt
-        ),
-    )
-    try:
-        link.open(timeout_s=10)
-        link.send(pb.ConnectRequest(error=pb.TrainerError(kind=common_pb2.FAILURE_KIND_NETWORK_ERROR, iteration=7)))
-        assert answered.wait(10)
-        assert got == ["inc-3-7"]
-    finally:
-        link.close()
-        agent.stop()
-    # Callers that predate reattempts still build their callbacks.
-    LinkCallbacks(on_stop=lambda r: None, on_inject=lambda f: None, on_lost=lambda r: None).on_reattempt("x")

@@ -63,7 +63,7 @@ def assert_same_state(got: dict[str, Any], want: dict[str, Any]) -> None:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     work = tmp_path_factory.mktemp("reference")
-    agent = FakeAgent(reattempt=False)
+    agent = FakeAgent()
     try:
         (result,) = run_ranks(agent, digits_spec(), 1, work, checkpoint_dir=work / "ckpt")
     finally:
@@ -143,7 +143,7 @@ def test_a_restart_resumes_from_the_checkpoint_exactly(
     """The rank crashes in iteration 13; started again, it resumes from the checkpoint of
     iteration 10 and redoes 11-13 on the same samples."""
     root = tmp_path / "ckpt"
-    agent = FakeAgent(reattempt=False)
+    agent = FakeAgent()
     agents.append(agent)
     spec = digits_spec(checkpoint_interval=5)
     (crashed,) = run_ranks(agent, spec, 1, tmp_path / "a", root, faults={0: "crash@13"})

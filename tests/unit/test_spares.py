@@ -131,7 +131,9 @@ def test_the_supervisor_launches_through_a_spare_and_keeps_a_registry(tmp_path: 
     assert pid == spare_pid
     registry = json.loads((tmp_path / "work" / REGISTRY_FILE).read_text())
     # Written at launch; the stand-in may already be gone and the registry empty again.
-    assert registry in ([{"pid": pid, "job_id": "job-1", "generation": 2, "rank": 5}], [])
+    entry = {"worker": "w1", "pid": pid, "slot": 0, "job_id": "job-1", "generation": 2, "rank": 5}
+    entry["stderr"] = str(tmp_path / "work" / "job-1" / "gen2-rank5.err")
+    assert registry in ([entry], [])
     assert done.wait(30)
     assert exits[0].key == key and exits[0].exit_code == 0
     assert json.loads((tmp_path / "work" / REGISTRY_FILE).read_text()) == []

@@ -20,10 +20,6 @@ log = logging.getLogger(__name__)
 _CLOSE = object()
 
 
-def _ignore_reattempt(incident_id: str) -> None:
-    log.warning("agent asked to reattempt, but this trainer does not reattempt", extra={"incident": incident_id})
-
-
 def _ignore_reform(reform: pb.AgentReform) -> None:
     log.warning("agent asked to reform, but this trainer does not reform", extra={"incident": reform.incident_id})
 
@@ -34,8 +30,6 @@ class LinkCallbacks:
     on_inject: Callable[[common_pb2.Fault], None]
     # The agent went away: a trainer without its agent cannot be supervised, so it stops.
     on_lost: Callable[[str], None]
-    # The agent's answer to a reported reattemptable error: redo the interrupted iteration.
-    on_reattempt: Callable[[str], None] = _ignore_reattempt
     # Leave the process group for a new one, keeping the training state (at the next iteration
     # boundary, or as the answer to a reported error).
     on_reform: Callable[[pb.AgentReform], None] = _ignore_reform
@@ -96,9 +90,6 @@ class AgentLink:
                     self._callbacks.on_stop(response.stop.reason)
                 elif kind == "inject":
                     self._callbacks.on_inject(response.inject)
-                elif kind == "reattempt":
-                    log.info("agent asked to reattempt", extra={"incident": response.reattempt.incident_id})
-                    self._callbacks.on_reattempt(response.reattempt.incident_id)
                 elif kind == "reform":
                     reform = response.reform
                     log.info(

@@ -18,7 +18,6 @@ from unicron.jobspec import DEFAULT_CHECKPOINT_INTERVAL
 from unicron.trainer.program import MegatronProgram, Training
 from unicron.trainer.protocol import T
 from unicron.trainer.runtime import (
-    SOURCE_LIVE,
     Decision,
     Run,
     after_failure,
@@ -169,13 +168,6 @@ def train(run: Run, program: MegatronProgram) -> None:
                 run.reported = None
             if decision is Decision.STOP:
                 break
-            if decision is Decision.REATTEMPT:
-                if parked is not None:
-                    raise RuntimeError("asked to redo the step in a process group this rank has left")
-                # Same iteration again: its data follows from the iteration number.
-                trainer.discard_step()
-                run.source = (SOURCE_LIVE, run.iteration)
-                continue
             if decision is Decision.REFORM:
                 assert run.pending_reform is not None
                 # A step that failed before the update leaves the state as it was: the captured

@@ -118,7 +118,6 @@ class TrainerConfig:
 class Decision(Enum):
     """What a rank does after an error in its training step."""
 
-    REATTEMPT = "reattempt"  # redo the same iteration in place
     REFORM = "reform"  # move to the new process group of Run.pending_reform, redo the iteration
     STOP = "stop"  # the agent asked to stop: exit 143
     GIVE_UP = "give up"  # exit 1, as after any error
@@ -164,9 +163,7 @@ class Run:
     iteration: int = 0
     # Set (before `stop`) when the agent link is lost.
     lost: threading.Event = field(default_factory=threading.Event)
-    # Incident ids of the agent's reattempt answers, filled by the link's thread.
-    reattempts: queue.Queue[str] = field(default_factory=queue.Queue)
-    # The iteration being reattempted and how often it has been.
+    # The iteration being redone (in a new group) and how often it has been.
     reattempt_step: int = 0
     reattempt_count: int = 0
     # (state_source, restored_iteration) for the next iteration report, then None.
@@ -253,7 +250,6 @@ def attach(argv: list[str] | None = None) -> Run:
         injector.add(fault)
 
     lost = threading.Event()
-    reattempts: queue.Queue[str] = queue.Queue()
     reforms: queue.Queue[trainer_service_pb2.AgentReform] = queue.Queue()
 
     def on_lost(_reason: str) -> None:
@@ -267,12 +263,11 @@ def attach(argv: list[str] | None = None) -> Run:
             on_stop=lambda reason: stop.set(),
             on_inject=inject,
             on_lost=on_lost,
-            on_reattempt=reattempts.put,
             on_reform=reforms.put,
         ),
         security=agent_security,
     )
-    run = Run(config, spec, link, stop, injector, lost=lost, reattempts=reattempts, reforms=reforms)
+    run = Run(config, spec, link, stop, injector, lost=lost, reforms=reforms)
     link.open()
     threading.Thread(target=watch_reforms, args=(run,), name="reform-watchdog", daemon=True).start()
     _active = run
@@ -426,8 +421,8 @@ def enter_generation(run: Run, reform: trainer_service_pb2.AgentReform) -> None:
 
 
 def wait_for_decision(run: Run, timeout_s: float, poll_s: float = 0.05) -> Decision:
-    """The agent's answer to the error just reported: a reattempt or reform message, a stop
-    request, the loss of the link, or nothing within ``timeout_s`` (GIVE_UP)."""
+    """The agent's answer to the error just reported: a reform, a stop request, the loss of
+    the link, or nothing within ``timeout_s`` (GIVE_UP)."""
     deadline = time.monotonic() + timeout_s
     while True:
         if run.stop.is_set():
@@ -439,14 +434,9 @@ def wait_for_decision(run: Run, timeout_s: float, poll_s: float = 0.05) -> Decis
                 "reforming", extra={"incident": reform.incident_id, "generation": reform.generation}
             )
             return Decision.REFORM
-        try:
-            incident = run.reattempts.get(timeout=max(0.0, min(poll_s, deadline - time.monotonic())))
-        except queue.Empty:
-            if time.monotonic() >= deadline:
-                return Decision.GIVE_UP
-            continue
-        logging.getLogger("trainer").info("reattempting in place", extra={"incident": incident})
-        return Decision.REATTEMPT
+        if time.monotonic() >= deadline:
+            return Decision.GIVE_UP
+        run.stop.wait(max(0.0, min(poll_s, deadline - time.monotonic())))
 
 
 def release_frames(exc: BaseException) -> None:
@@ -474,11 +464,6 @@ def after_failure(
     decided already, and the error is most likely the old group breaking as peers leave it for
     the new one. The rank takes the reform (with its state only if the step can be redone)."""
     log = logging.getLogger("trainer")
-    while True:  # answers to an earlier incident must not decide this one
-        try:
-            run.reattempts.get_nowait()
-        except queue.Empty:
-            break
     failure = classify(error_kind(run, exc))
     if failure.severity == common_pb2.SEVERITY_SEV3 and poll_reform(run) is not None:
         log.warning(
@@ -505,7 +490,7 @@ def after_failure(
         release_frames(exc)
         leave_group()
     decision = wait_for_decision(run, run.config.reattempt_wait_s)
-    if decision in (Decision.REATTEMPT, Decision.REFORM):
+    if decision is Decision.REFORM:
         run.reattempt_count += 1
     elif decision is Decision.GIVE_UP:
         reason = "the agent connection was lost" if run.lost.is_set() else "no decision from the agent"
