@@ -4,6 +4,7 @@ traceback reported as FAILURE_KIND_PROGRAM_ERROR: real trainer processes
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,7 +36,12 @@ def _spec(entry_point: str, args: list[str] | None = None, data_path: str = "") 
     [
         ("no_such_package.train:main", None, "", "importing no_such_package.train failed: No module named"),
         ("tests.examples.programs.broken:provider_raises", None, "", "dataset_provider raised FileNotFoundError"),
-        ("tests.examples.programs.broken:loss_returns_a_mean", None, "", "must return (loss_sum, num_tokens, report)"),
+        (
+            "tests.examples.programs.broken:loss_returns_a_mean",
+            None,
+            "",
+            "must return (loss_sum, num_tokens, report), or (loss, report)",
+        ),
         ("tests.examples.programs.broken:returns_early", None, "", "returned after iteration 0 of 3"),
         ("tests.examples.programs.broken:exits_zero", None, "", "exited 0 after iteration 0"),
         ("examples.gpt.train:main", None, "/nowhere/corpus", "data path /nowhere/corpus.bin does not exist"),
@@ -56,8 +62,12 @@ def test_a_broken_program_is_reported_once_as_the_programs_error(
     assert not agent.of(0, "iteration")
 
 
-def test_the_gpt_example_trains_through_the_library(agent: FakeAgent, tmp_path: Path) -> None:
-    (result,) = run_ranks(agent, _spec("tests.examples.programs.broken:gpt"), 1, tmp_path)
+@pytest.mark.parametrize("entry_point", ["gpt", "loss_as_mean_and_report"])
+def test_programs_that_keep_the_contract_train(agent: FakeAgent, tmp_path: Path, entry_point: str) -> None:
+    (result,) = run_ranks(agent, _spec(f"tests.examples.programs.working:{entry_point}"), 1, tmp_path)
     assert result.returncode == 0, result.log[-3000:]
-    assert [r.iteration for r in agent.of(0, "iteration")] == [1, 2, 3]
+    reports = agent.of(0, "iteration")
+    assert [r.iteration for r in reports] == [1, 2, 3]
+    # An untrained model is near-uniform over its 64 tokens; every sample's 16 tokens count.
+    assert abs(reports[0].loss - math.log(64)) < 0.3 and reports[0].tokens == 4 * 16
     assert [f.iterations for f in agent.of(0, "finished")] == [3]

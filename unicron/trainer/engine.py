@@ -385,8 +385,16 @@ class MegatronTrainer:
                 f"forward_step must return (output_tensor, loss_func); its second value is a {type(loss_func).__name__}"
             )
 
-        def recorded_loss(output_tensor: torch.Tensor) -> LossOutput:
+        def recorded_loss(output_tensor: torch.Tensor) -> Any:
             result = loss_func(output_tensor)
+            if isinstance(result, tuple) and len(result) == 2:
+                # Megatron's older form, (mean loss, report): its tokens are the micro-batch's.
+                loss, _ = _check_mean_loss(result)
+                tokens = float(self.training.micro_batch_size * self._seq_length)
+                self._step_losses.append(
+                    torch.stack([loss.detach().double() * tokens, loss.new_tensor(tokens).double()])
+                )
+                return result
             loss_sum, num_tokens, report = _check_loss(result)
             self._step_losses.append(torch.stack([loss_sum.detach().double(), num_tokens.detach().double()]))
             return loss_sum, num_tokens, report
@@ -428,14 +436,23 @@ class MegatronTrainer:
         del self.model, self.optimizer, self.scheduler
 
 
+def _check_mean_loss(result: tuple[Any, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
+    loss, report = result
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise ProgramError(f"the loss function's loss must be a one-element tensor, got {type(loss).__name__}")
+    if not isinstance(report, dict):
+        raise ProgramError(f"the loss function's report must be a dict, got {type(report).__name__}")
+    return loss, report
+
+
 def _check_loss(result: Any) -> LossOutput:
     """The loss function's answer in Megatron's form (loss sum, token count, report), or a
     ProgramError that says what came back instead."""
     if not isinstance(result, tuple) or len(result) != 3:
         got = f"a tuple of {len(result)}" if isinstance(result, tuple) else f"a {type(result).__name__}"
         raise ProgramError(
-            "the loss function must return (loss_sum, num_tokens, report) as Megatron-Core's schedule"
-            f" takes it; it returned {got}"
+            "the loss function must return (loss_sum, num_tokens, report), or (loss, report), as"
+            f" Megatron-Core's schedule takes it; it returned {got}"
         )
     loss_sum, num_tokens, report = result
     if not isinstance(loss_sum, torch.Tensor) or loss_sum.numel() != 1:

@@ -6,8 +6,6 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from examples.gpt.train import main as gpt_main
-
 
 def provider_raises() -> None:
     from examples.gpt.model import ModelConfig, forward_step
@@ -46,7 +44,3 @@ def returns_early() -> None:
 
 def exits_zero() -> None:
     sys.exit(0)
-
-
-def gpt(argv: list[str] | None = None) -> None:
-    gpt_main(argv)
