@@ -47,6 +47,7 @@ from unicron import jobspec
 from unicron.client import ClientError, UnicronClient
 from unicron.faults import parse_fault
 from unicron.localcluster import LocalCluster, tiny_gpt
+from unicron.trainer.settings import trainer_env
 from unicron.v1 import common_pb2 as pb
 
 RESULTS = Path(__file__).resolve().parent / "results" / "transition.json"
@@ -708,15 +709,17 @@ class BaselineSide:
             env = {
                 **os.environ,
                 "PYTHONPATH": str(REPO_ROOT),
-                "UNICRON_TRAINER_JOB_ID": "baseline",
-                "UNICRON_TRAINER_GENERATION": str(generation),
-                "UNICRON_TRAINER_RANK": str(rank),
-                "UNICRON_TRAINER_WORLD_SIZE": str(world),
-                "UNICRON_TRAINER_MASTER_ADDR": "127.0.0.1",
-                "UNICRON_TRAINER_MASTER_PORT": str(port),
-                "UNICRON_TRAINER_AGENT": agent.address,
-                "UNICRON_TRAINER_SPEC": json_format.MessageToJson(spec, indent=None),
-                "UNICRON_TRAINER_CHECKPOINT_DIR": str(checkpoint_dir),
+                **trainer_env(
+                    job_id="baseline",
+                    generation=generation,
+                    rank=rank,
+                    world_size=world,
+                    master_addr="127.0.0.1",
+                    master_port=port,
+                    agent=agent.address,
+                    spec=json_format.MessageToJson(spec, indent=None),
+                    checkpoint_dir=checkpoint_dir,
+                ),
                 # As the agent starts its trainers: one thread per rank (one slot each).
                 "OMP_NUM_THREADS": "1",
             }

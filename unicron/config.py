@@ -53,6 +53,26 @@ def _convert(kind: type, raw: Any, name: str) -> Any:
         raise InvalidArgument(name, f"cannot read {raw!r} as {kind.__name__}") from None
 
 
+def to_env(cls: type, env_prefix: str, values: Mapping[str, object]) -> dict[str, str]:
+    """The environment variables that make ``load_config(cls, env_prefix)`` read ``values``
+    (field name -> value): booleans as 1/0, tuples comma-joined, None left out."""
+    names = {field.name for field in dataclasses.fields(cls)}
+    out: dict[str, str] = {}
+    for name, value in values.items():
+        if name not in names:
+            raise ValueError(f"{cls.__name__} has no setting {name!r}")
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            text = "1" if value else "0"
+        elif isinstance(value, (tuple, list)):
+            text = ",".join(str(item) for item in value)
+        else:
+            text = str(value)
+        out[f"{env_prefix}_{name.upper()}"] = text
+    return out
+
+
 def load_config(
     cls: type[C],
     *,

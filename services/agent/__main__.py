@@ -19,6 +19,7 @@ from unicron.logs import exit_flushed
 from unicron.monitor import MonitorSettings
 from unicron.security import ClientSecurity, ServerSecurity, TLSConfig, WorkerTokens, read_token_file, server_security
 from unicron.service import grpc_dependency, run_server
+from unicron.trainer.settings import trainer_env as settings_env
 
 # The monitor's own defaults: the flags' defaults and what the bench reports cannot drift apart.
 _MONITOR_DEFAULTS = MonitorSettings()
@@ -99,13 +100,13 @@ def coordinator_security(config: AgentConfig) -> ClientSecurity:
 def trainer_env(config: AgentConfig) -> dict[str, str]:
     """How this agent's trainers reach it: with its own certificate (they are its children)."""
     if config.plaintext:
-        return {"UNICRON_TRAINER_PLAINTEXT": "1"}
-    return {
-        "UNICRON_TRAINER_PLAINTEXT": "0",
-        "UNICRON_TRAINER_TLS_CA": str(Path(config.tls_ca).resolve()),
-        "UNICRON_TRAINER_TLS_CERT": str(Path(config.tls_cert).resolve()),
-        "UNICRON_TRAINER_TLS_KEY": str(Path(config.tls_key).resolve()),
-    }
+        return settings_env(plaintext=True)
+    return settings_env(
+        plaintext=False,
+        tls_ca=Path(config.tls_ca).resolve(),
+        tls_cert=Path(config.tls_cert).resolve(),
+        tls_key=Path(config.tls_key).resolve(),
+    )
 
 
 def security(config: AgentConfig, tokens: WorkerTokens) -> ServerSecurity:

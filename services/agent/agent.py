@@ -34,6 +34,7 @@ from unicron import incident_trace as trace
 from unicron.monitor import Finding, JobMonitor, MonitorSettings, ReportRejected
 from unicron.retry import Backoff, retry
 from unicron.security import ClientSecurity, WorkerTokens
+from unicron.trainer.settings import trainer_env
 from unicron.v1 import common_pb2, node_service_pb2_grpc, trainer_service_pb2, trainer_service_pb2_grpc
 from unicron.v1 import node_service_pb2 as pb
 
@@ -85,8 +86,8 @@ class AgentSettings:
     # restart then skips seconds of imports. Each costs the memory of an idle trainer.
     warm_spares: int = 0
     spare_command: tuple[str, ...] = (sys.executable, "-m", "services.trainer.spare")
-    # How trainers reach this agent: UNICRON_TRAINER_TLS_* (the agent's own certificate: a
-    # trainer is the agent's child, on its node) or UNICRON_TRAINER_PLAINTEXT.
+    # How trainers reach this agent (unicron.trainer.settings.trainer_env of tls_* with the
+    # agent's own certificate, as a trainer is the agent's child on its node, or plaintext).
     trainer_env: Mapping[str, str] = field(default_factory=dict)
     # The node's GPU ids, one per slot (empty: no GPUs); a trainer sees its slot's alone.
     gpus: tuple[str, ...] = ()
@@ -587,29 +588,31 @@ class Agent:
             if key in self.supervisor.running(start.job_id) or (only is not None and rank not in only):
                 continue  # a replayed command after a reconnect, or a rank kept alive
             env = trainer_base_env()
+            env.update(self.settings.trainer_env)
             env.update(
-                {
-                    "UNICRON_TRAINER_JOB_ID": start.job_id,
-                    "UNICRON_TRAINER_GENERATION": str(assignment.generation),
-                    "UNICRON_TRAINER_RANK": str(rank),
-                    "UNICRON_TRAINER_WORLD_SIZE": str(assignment.world_size),
-                    "UNICRON_TRAINER_MASTER_ADDR": assignment.master_addr,
-                    "UNICRON_TRAINER_MASTER_PORT": str(assignment.master_port),
-                    "UNICRON_TRAINER_AGENT": self.address,
-                    "UNICRON_TRAINER_SPEC": spec_json,
-                    "UNICRON_TRAINER_FAULT_INJECTION": "1" if self.settings.fault_injection else "0",
-                    "UNICRON_TRAINER_TOKEN": self.worker_tokens.issue(start.job_id, assignment.generation, rank),
-                    **self.settings.trainer_env,
-                }
+                trainer_env(
+                    job_id=start.job_id,
+                    generation=assignment.generation,
+                    rank=rank,
+                    world_size=assignment.world_size,
+                    master_addr=assignment.master_addr,
+                    master_port=assignment.master_port,
+                    agent=self.address,
+                    spec=spec_json,
+                    fault_injection=self.settings.fault_injection,
+                    token=self.worker_tokens.issue(start.job_id, assignment.generation, rank),
+                    checkpoint_dir=self._job_dir(self.settings.checkpoint_dir, start.job_id),
+                    snapshot_dir=self._job_dir(self.settings.snapshot_dir, start.job_id),
+                )
             )
-            if self.settings.checkpoint_dir is not None:
-                env["UNICRON_TRAINER_CHECKPOINT_DIR"] = str(self.settings.checkpoint_dir / start.job_id)
-            if self.settings.snapshot_dir is not None:
-                env["UNICRON_TRAINER_SNAPSHOT_DIR"] = str(self.settings.snapshot_dir / start.job_id)
             env.update(extra_env or {})
             # Spares are the recovery reserve: a job's first start goes cold, so that a
             # failure soon after it still finds one ready.
             self.supervisor.launch(key, self.settings.trainer_command, env, spare=assignment.generation > 1)
+
+    @staticmethod
+    def _job_dir(root: Path | None, job_id: str) -> str | None:
+        return None if root is None else str(root / job_id)
 
     def _reform(self, reform: pb.Reform) -> None:
         """Moves this node's live ranks of the job to the new generation in place (they
@@ -647,7 +650,7 @@ class Agent:
             daemon=True,
         ).start()
         start = pb.StartWorkers(job_id=reform.job_id, spec=reform.spec, assignment=assignment)
-        self._start_workers(start, only=here - kept, extra_env={"UNICRON_TRAINER_STATE_FROM_PEER": "1"})
+        self._start_workers(start, only=here - kept, extra_env=trainer_env(state_from_peer=True))
         log.info(
             "reformed job",
             extra={

@@ -11,10 +11,12 @@ import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from unicron.trainer.settings import ENV_PREFIX
+
 log = logging.getLogger(__name__)
 
 # The trainer's own settings, which a spare reads only after the handover.
-TRAINER_ENV_PREFIX = "UNICRON_TRAINER_"
+TRAINER_ENV_PREFIX = f"{ENV_PREFIX}_"
 
 
 # The pool's state for operators and tests: {"size": n, "ready": n}.

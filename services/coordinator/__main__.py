@@ -28,7 +28,7 @@ from services.coordinator.metrics import CoordinatorMetrics, setup_metrics
 from services.coordinator.planner_client import PlannerClient
 from services.coordinator.server import serve
 from services.coordinator.store import Store
-from unicron import redisutil, rpc
+from unicron import redisutil, rpc, timeouts
 from unicron.config import require
 from unicron.errors import UnicronError
 from unicron.logs import exit_flushed
@@ -61,8 +61,8 @@ class CoordinatorConfig(TLSConfig):
     remedy_window_s: float = 600.0
     max_remedies: int = 6
     # Deadlines: an agent's acknowledgement of a start, a remedy's first iteration.
-    ack_timeout_s: float = 15.0
-    recovery_timeout_s: float = 180.0
+    ack_timeout_s: float = timeouts.ACK_S
+    recovery_timeout_s: float = timeouts.RECOVERY_S
     # Restart only a job's dead ranks (state from a live peer) when the others wait.
     reform_restarts: bool = True
     # Users' tokens and the agents' join token (YAML: join_token, users: [{name, token,
@@ -95,6 +95,16 @@ class CoordinatorConfig(TLSConfig):
         require(self.max_remedies >= 1, "max_remedies", "must be at least 1")
         require(self.ack_timeout_s > 0, "ack_timeout_s", "must be positive")
         require(self.recovery_timeout_s > 0, "recovery_timeout_s", "must be positive")
+        # The trainers' own timeouts are theirs to set; their defaults must fit this deadline.
+        timeouts.check_order(
+            {
+                "ack": ("ack_timeout_s", self.ack_timeout_s),
+                "recovery": ("recovery_timeout_s", self.recovery_timeout_s),
+                "collective": ("the trainers' collective timeout", timeouts.COLLECTIVE_S),
+                "decision_wait": ("the trainers' decision wait", timeouts.DECISION_WAIT_S),
+            },
+            fixed=frozenset({"collective", "decision_wait"}),
+        )
 
 
 def setup(

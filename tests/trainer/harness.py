@@ -24,6 +24,7 @@ from google.protobuf import json_format
 from tests.trainer.gpt import trainer_configs
 from unicron import rpc
 from unicron.localcluster import gpt_program
+from unicron.trainer.settings import trainer_env
 from unicron.v1 import common_pb2, trainer_service_pb2_grpc
 from unicron.v1 import trainer_service_pb2 as pb
 
@@ -168,21 +169,22 @@ def run_ranks(
         env = {
             **os.environ,
             "PYTHONPATH": str(REPO_ROOT),
-            "UNICRON_TRAINER_JOB_ID": "job-test",
-            "UNICRON_TRAINER_GENERATION": "1",
-            "UNICRON_TRAINER_RANK": str(rank),
-            "UNICRON_TRAINER_WORLD_SIZE": str(world_size),
-            "UNICRON_TRAINER_MASTER_ADDR": "127.0.0.1",
-            "UNICRON_TRAINER_MASTER_PORT": str(port),
-            "UNICRON_TRAINER_AGENT": agent.address,
-            "UNICRON_TRAINER_SPEC": json_format.MessageToJson(spec),
-            "UNICRON_TRAINER_COLLECTIVE_TIMEOUT_S": "60",
-            "UNICRON_TRAINER_CHECKPOINT_DIR": str(checkpoint_dir or ""),
+            **trainer_env(
+                job_id="job-test",
+                generation=1,
+                rank=rank,
+                world_size=world_size,
+                master_addr="127.0.0.1",
+                master_port=port,
+                agent=agent.address,
+                spec=json_format.MessageToJson(spec),
+                collective_timeout_s=60,
+                checkpoint_dir=checkpoint_dir or "",
+            ),
             **(extra_env or {}),
         }
         if faults and rank in faults:
-            env["UNICRON_TRAINER_FAULT_INJECTION"] = "1"
-            env["UNICRON_TRAINER_FAULTS"] = faults[rank]
+            env.update(trainer_env(fault_injection=True, faults=(faults[rank],)))
         log_path = work / f"rank{rank}.log"
         logs.append(log_path)
         with open(log_path, "w") as out:
@@ -350,16 +352,18 @@ def start_trainer(
     full_env = {
         **os.environ,
         "PYTHONPATH": str(REPO_ROOT),
-        "UNICRON_TRAINER_JOB_ID": "job-test",
-        "UNICRON_TRAINER_GENERATION": str(generation),
-        "UNICRON_TRAINER_RANK": str(rank),
-        "UNICRON_TRAINER_WORLD_SIZE": str(world_size),
-        "UNICRON_TRAINER_MASTER_ADDR": "127.0.0.1",
-        "UNICRON_TRAINER_MASTER_PORT": str(port),
-        "UNICRON_TRAINER_AGENT": agent_address,
-        "UNICRON_TRAINER_SPEC": json_format.MessageToJson(spec),
-        "UNICRON_TRAINER_COLLECTIVE_TIMEOUT_S": "60",
-        "UNICRON_TRAINER_CHECKPOINT_DIR": str(checkpoint_dir or ""),
+        **trainer_env(
+            job_id="job-test",
+            generation=generation,
+            rank=rank,
+            world_size=world_size,
+            master_addr="127.0.0.1",
+            master_port=port,
+            agent=agent_address,
+            spec=json_format.MessageToJson(spec),
+            collective_timeout_s=60,
+            checkpoint_dir=checkpoint_dir or "",
+        ),
         **(env or {}),
     }
     log_path = work / f"g{generation}r{rank}.log"

@@ -53,3 +53,49 @@ def test_unknown_file_setting_is_rejected(tmp_path: Path) -> None:
     with pytest.raises(InvalidArgument) as error:
         load_config(Example, env_prefix="X", argv=["--config", str(file)], env={})
     assert error.value.field == "config.timeout"
+
+
+def test_cross_process_timeouts_keep_their_order() -> None:
+    from services.coordinator.__main__ import CoordinatorConfig
+    from unicron import timeouts
+    from unicron.errors import InvalidArgument
+    from unicron.trainer.runtime import TrainerConfig
+
+    TrainerConfig(job_id="j", agent="a:1", spec="{}")  # the defaults keep the order
+    with pytest.raises(InvalidArgument) as raised:
+        TrainerConfig(job_id="j", agent="a:1", spec="{}", collective_timeout_s=timeouts.REFORM_OVERDUE_S)
+    assert raised.value.field == "collective_timeout_s" and "before the collective times out" in str(raised.value)
+    coordinator = {"planners": ("127.0.0.1:1",), "plaintext": True}
+    CoordinatorConfig(**coordinator)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument) as raised:
+        CoordinatorConfig(**coordinator, recovery_timeout_s=90.0)  # type: ignore[arg-type]
+    assert raised.value.field == "recovery_timeout_s" and "the trainers' collective timeout" in str(raised.value)
+    with pytest.raises(InvalidArgument) as raised:
+        CoordinatorConfig(**coordinator, ack_timeout_s=200.0)  # type: ignore[arg-type]
+    assert raised.value.field == "ack_timeout_s"
+
+
+def test_the_trainer_environment_reads_back_as_written() -> None:
+    """One owner of the trainer's environment contract: what trainer_env writes, the trainer's
+    load_config reads back, field for field."""
+    from unicron.config import load_config
+    from unicron.trainer.settings import ENV_PREFIX, TrainerConfig, trainer_env
+
+    written = {
+        "job_id": "j",
+        "generation": 3,
+        "rank": 1,
+        "world_size": 2,
+        "agent": "127.0.0.1:9",
+        "spec": "{}",
+        "fault_injection": True,
+        "faults": ("crash@3", "slow:0.5@4"),
+        "state_from_peer": True,
+        "collective_timeout_s": 60.0,
+        "plaintext": False,
+        "tls_ca": "/ca.pem",
+    }
+    config = load_config(TrainerConfig, env_prefix=ENV_PREFIX, argv=[], env=trainer_env(**written))
+    assert {name: getattr(config, name) for name in written} == written
+    with pytest.raises(ValueError, match="no setting 'rnak'"):
+        trainer_env(rnak=1)

@@ -39,14 +39,15 @@ from typing import Any, Protocol
 
 from google.protobuf import json_format
 
-from unicron.config import load_config, require
+from unicron import timeouts
+from unicron.config import load_config
 from unicron.failures import classify, classify_exception, kind_name
 from unicron.faults import parse_fault
 from unicron.logs import exit_flushed, setup_logging
-from unicron.security import ClientSecurity, load_tls
 from unicron.trainer.agent_link import AgentLink, LinkCallbacks
 from unicron.trainer.faults import FaultInjector, InjectedFailure
 from unicron.trainer.program import ProgramError
+from unicron.trainer.settings import ENV_PREFIX, TrainerConfig
 from unicron.v1 import common_pb2, trainer_service_pb2
 
 EXIT_STOPPED = 143
@@ -54,65 +55,8 @@ EXIT_STOPPED = 143
 # state; reform.SOURCE_PEER ("peer") when it came from a peer.
 SOURCE_LIVE = "live"
 # The environment variable that says a process runs under a Unicron agent.
-AGENT_ENV = "UNICRON_TRAINER_AGENT"
+AGENT_ENV = f"{ENV_PREFIX}_AGENT"
 TRACEBACK_LIMIT = 16000
-
-
-@dataclass(frozen=True)
-class TrainerConfig:
-    job_id: str = ""
-    generation: int = 0
-    rank: int = 0
-    world_size: int = 1
-    master_addr: str = "127.0.0.1"
-    master_port: int = 29500
-    agent: str = ""
-    spec: str = ""
-    collective_timeout_s: float = 120.0
-    fault_injection: bool = False
-    faults: tuple[str, ...] = ()
-    log_level: str = "info"
-    # Per-job directory shared by the job's ranks; empty: no persistent checkpoints.
-    checkpoint_dir: str = ""
-    # Per-job directory on this node, in memory (tmpfs), where ranks keep snapshots of their
-    # state every snapshot_interval iterations for a restart; empty: no snapshots.
-    snapshot_dir: str = ""
-    snapshot_interval: int = 2
-    # After a reattemptable error: how long to wait for the agent's decision, and how many
-    # times one iteration may be reattempted before the rank gives up.
-    reattempt_wait_s: float = 60.0
-    max_reattempts: int = 3
-    # A process started to join a new group (a grow) without state: it receives the training
-    # state from a live peer of its (tensor, pipeline) shard instead of the checkpoint.
-    state_from_peer: bool = False
-    # Testing, honoured only with fault_injection: as the source of a peer transfer, flip one
-    # byte of the state after its checksum was taken (exercises the checkpoint fallback).
-    corrupt_peer_state: bool = False
-    # How to reach the agent, which always says (UNICRON_TRAINER_PLAINTEXT and _TLS_*): over TLS
-    # with the agent's certificate, or plaintext. Unsaid and with no CA (a trainer started by
-    # hand or by a test harness): plaintext, with a warning.
-    tls_ca: str = ""
-    tls_cert: str = ""
-    tls_key: str = ""
-    plaintext: bool | None = None
-    # The per-worker token the agent issued for this job, generation and rank.
-    token: str = ""
-
-    def __post_init__(self) -> None:
-        require(bool(self.job_id), "job_id", "is required")
-        require(0 <= self.rank < self.world_size, "rank", f"must lie in [0, {self.world_size})")
-        require(bool(self.agent), "agent", "is required (host:port of the node's agent)")
-        require(bool(self.spec), "spec", "is required (the job spec as JSON)")
-        require(0 < self.master_port < 65536, "master_port", "must be a TCP port")
-        require(self.reattempt_wait_s >= 0, "reattempt_wait_s", "must not be negative")
-        require(self.max_reattempts >= 0, "max_reattempts", "must not be negative")
-        require(self.snapshot_interval >= 0, "snapshot_interval", "must not be negative (0: no snapshots)")
-        require(self.plaintext is not False or bool(self.tls_ca), "tls_ca", "is required unless plaintext")
-
-    def agent_security(self) -> ClientSecurity:
-        if self.plaintext or not self.tls_ca:
-            return ClientSecurity.plaintext(self.token)
-        return ClientSecurity(load_tls(self.tls_ca, self.tls_cert, self.tls_key), self.token)
 
 
 class Decision(Enum):
@@ -215,9 +159,7 @@ def attach(argv: list[str] | None = None) -> Run:
     global _active
     if _active is not None:
         return _active
-    config = load_config(
-        TrainerConfig, env_prefix="UNICRON_TRAINER", argv=argv or [], description="Unicron trainer rank"
-    )
+    config = load_config(TrainerConfig, env_prefix=ENV_PREFIX, argv=argv or [], description="Unicron trainer rank")
     spec = json_format.Parse(config.spec, common_pb2.JobSpec())
     faults = [parse_fault(text, config.rank) for text in config.faults]
     agent_security = config.agent_security()
@@ -376,7 +318,7 @@ def poll_reform(run: Run) -> trainer_service_pb2.AgentReform | None:
 # A reform left unread this long means the training thread is stuck in a collective of the
 # old group (a peer that left it without closing its connections holds it there until the
 # collective timeout): at least REFORM_OVERDUE_MIN_S, and REFORM_OVERDUE_STEPS steps.
-REFORM_OVERDUE_MIN_S = 20.0
+REFORM_OVERDUE_MIN_S = timeouts.REFORM_OVERDUE_S
 REFORM_OVERDUE_STEPS = 3.0
 
 
