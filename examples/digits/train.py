@@ -52,14 +52,20 @@ class Digits:
         self.images = torch.from_numpy(images.astype(np.float32) / 16.0)
         self.labels = torch.from_numpy(labels.astype(np.int64))
         self._seed = seed
+        self._orders: dict[int, np.ndarray] = {}
 
     def __len__(self) -> int:
         return len(self.labels)
 
     def batch(self, indices: range) -> tuple[torch.Tensor, torch.Tensor]:
         n = len(self)
-        picked = [int(np.random.default_rng([self._seed, g // n]).permutation(n)[g % n]) for g in indices]
+        picked = [int(self._order(g // n)[g % n]) for g in indices]
         return self.images[picked], self.labels[picked]
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if epoch not in self._orders:
+            self._orders[epoch] = np.random.default_rng([self._seed, epoch]).permutation(len(self))
+        return self._orders[epoch]
 
 
 def main(argv: list[str] | None = None) -> None:

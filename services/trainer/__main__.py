@@ -80,7 +80,6 @@ def main(argv: list[str]) -> int:
     except OSError as exc:
         print(f"unicron-trainer: cannot execute the program's command: {exc}", file=sys.stderr)
         return 2
-    log = logging.getLogger("trainer")
     try:
         program = run.spec.program
         if not program.entry_point:
@@ -100,9 +99,7 @@ def main(argv: list[str]) -> int:
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if code == runtime.EXIT_STOPPED or run.stop.is_set():
-            log.info("stopped on request", extra={"iteration": run.iteration})
-            run.link.close()
-            return runtime.EXIT_STOPPED
+            return _stopped(run)
         if code == 0 and not run.finished:
             return _failed(run, ProgramError(f"the program exited 0 after iteration {run.iteration}, before its last"))
         run.link.close()
@@ -110,11 +107,15 @@ def main(argv: list[str]) -> int:
     except BaseException as exc:  # noqa: BLE001 - any error of the program ends the rank, reported
         return _failed(run, exc)
     if run.stop.is_set() and not run.finished:
-        log.info("stopped on request", extra={"iteration": run.iteration})
-        run.link.close()
-        return runtime.EXIT_STOPPED
+        return _stopped(run)
     run.link.close()
     return 0
+
+
+def _stopped(run: runtime.Run) -> int:
+    logging.getLogger("trainer").info("stopped on request", extra={"iteration": run.iteration})
+    run.link.close()
+    return runtime.EXIT_STOPPED
 
 
 def _failed(run: runtime.Run, exc: BaseException) -> int:

@@ -42,15 +42,13 @@ class Context:
 def under_unicron() -> bool:
     """Whether this process was started by a Unicron agent."""
     run = runtime.active()
-    return run.supervised if run is not None else bool(os.environ.get(runtime.AGENT_ENV))
+    return run.supervised if run is not None else runtime.under_agent()
 
 
 def context() -> Context:
     """This process's context. Under Unicron it comes from the job spec; under torchrun from
     its environment (RANK, WORLD_SIZE), with no data settings."""
-    run = runtime.active()
-    if run is None and os.environ.get(runtime.AGENT_ENV):
-        run = runtime.attach()
+    run = runtime.current()
     if run is None:
         return Context(
             job="local", rank=int(os.environ.get("RANK", "0")), world_size=int(os.environ.get("WORLD_SIZE", "1"))
@@ -109,9 +107,7 @@ def train_program(program: MegatronProgram, training: Training | None = None, *,
     """``pretrain`` with the program as one object."""
     from unicron.trainer import loop
 
-    run = runtime.active()
-    if run is None and os.environ.get(runtime.AGENT_ENV):
-        run = runtime.attach()
+    run = runtime.current()
     if run is None:
         run = runtime.attach_local(loop.local_spec(training or Training()), checkpoint_dir)
     if run.finished:

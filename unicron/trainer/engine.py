@@ -171,6 +171,8 @@ class MegatronTrainer:
         self._dataset_size = dataset_size(self.dataset)
         self._seq_length = self.program.seq_length or sample_length(self.dataset[0])
         self._parameters = sum(p.numel() for p in self.model.parameters())
+        # One replica's parameters (every TP x PP slice), learnt from the first loss all-reduce.
+        self._replica_parameters = 0.0
 
     @property
     def iteration(self) -> int:
@@ -338,7 +340,7 @@ class MegatronTrainer:
             loss=loss,
             seconds=seconds,
             tokens=tokens,
-            flops=self.program.flops(self.training.global_batch_size, tokens, self._replica_parameters),
+            flops=self.program.flops(tokens, self._replica_parameters),
             compute_seconds=compute_seconds,
         )
 
@@ -415,8 +417,6 @@ class MegatronTrainer:
         self._replica_parameters = float(totals[2]) / self._dp
         tokens = float(totals[1]) / self._tp
         return float(totals[0] / totals[1]) if totals[1] > 0 else float("nan"), round(tokens)
-
-    _replica_parameters: float = 0.0
 
     def close(self) -> None:
         """Destroy Megatron's model-parallel state; the process group stays up."""

@@ -25,8 +25,9 @@ from unicron.trainer.runtime import (
     poll_reform,
     reform_waiting,
     report_error,
+    report_iteration,
 )
-from unicron.v1 import common_pb2, node_service_pb2, trainer_service_pb2
+from unicron.v1 import common_pb2, trainer_service_pb2
 
 if TYPE_CHECKING:  # torch and Megatron take seconds to import
     from unicron.trainer import reform as reforming
@@ -105,13 +106,13 @@ def train(run: Run, program: MegatronProgram) -> None:
     use_cuda = torch.cuda.is_available()
     if use_cuda:
         torch.cuda.set_device(cuda_device(torch.cuda.device_count(), run.rank))
-    training = spec.training
+    training = training_of(spec)
     try:
         state_from_peer = join_first_group(run, "nccl" if use_cuda else "gloo")
         # MegatronTrainer enters the Megatron CPU shim (megatron_cpu.cpu_mode) around its own calls.
         trainer = MegatronTrainer(
             program,
-            training_of(spec),
+            training,
             device="cuda" if use_cuda else "cpu",
             timeout=timedelta(seconds=config.collective_timeout_s),
         )
@@ -124,7 +125,7 @@ def train(run: Run, program: MegatronProgram) -> None:
             restored = snapshots.restore_nearest(trainer, config.checkpoint_dir, config.snapshot_dir)
         run.iteration = trainer.iteration
         run.source = (restored.source, restored.iteration)
-        interval = training.checkpoint_interval or DEFAULT_CHECKPOINT_INTERVAL
+        interval = training.checkpoint_interval
         every = config.snapshot_interval if config.snapshot_dir else 0
         writer = snapshots.SnapshotWriter(config.snapshot_dir, run.rank, every)
         # A rank leaves its group as soon as a step fails; the coordinator answers with a
@@ -182,21 +183,9 @@ def train(run: Run, program: MegatronProgram) -> None:
                 save_due = False
                 continue
             run.iteration, run.step_seconds, run.stepped = result.iteration, result.seconds, True
-            report = node_service_pb2.IterationReport(
-                job_id=config.job_id,
-                generation=run.generation,
-                rank=run.rank,
-                iteration=result.iteration,
-                loss=result.loss,
-                seconds=result.seconds,
-                tokens=result.tokens,
-                flops=result.flops,
-                compute_seconds=result.compute_seconds,
+            report_iteration(
+                run, result.iteration, result.loss, result.seconds, result.tokens, result.flops, result.compute_seconds
             )
-            if run.source is not None:
-                report.state_source, report.restored_iteration = run.source
-                run.source = None
-            run.link.send(trainer_service_pb2.ConnectRequest(iteration=report))
             save_due = bool(config.checkpoint_dir) and run.iteration % interval == 0
             writer.after_iteration(trainer)
         if save_due:

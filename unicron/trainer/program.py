@@ -133,8 +133,7 @@ class MegatronProgram:
     def describe(self) -> dict[str, Any]:
         return dict(self.description)
 
-    def flops(self, global_batch_size: int, tokens: int, parameters: float) -> float:
-        del global_batch_size
+    def flops(self, tokens: int, parameters: float) -> float:
         per_token = self.flops_per_token or 6.0 * parameters
         return per_token * tokens
 

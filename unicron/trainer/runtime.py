@@ -48,7 +48,7 @@ from unicron.trainer.agent_link import AgentLink, LinkCallbacks
 from unicron.trainer.faults import FaultInjector, InjectedFailure
 from unicron.trainer.program import ProgramError
 from unicron.trainer.settings import ENV_PREFIX, TrainerConfig
-from unicron.v1 import common_pb2, trainer_service_pb2
+from unicron.v1 import common_pb2, node_service_pb2, trainer_service_pb2
 
 EXIT_STOPPED = 143
 # IterationReport.state_source of the first report after a reform that kept this rank's own
@@ -146,6 +146,14 @@ _active: Run | None = None
 def under_agent() -> bool:
     """Whether a Unicron agent started this process (its settings are in the environment)."""
     return bool(os.environ.get(AGENT_ENV))
+
+
+def current() -> Run | None:
+    """This process's run: the one attached already, else, under an agent, attached now;
+    None without an agent (a local run is made by the caller, with its own settings)."""
+    if _active is None and under_agent():
+        return attach()
+    return _active
 
 
 def active() -> Run | None:
@@ -256,6 +264,34 @@ def finish(run: Run) -> None:
     run.link.send(
         trainer_service_pb2.ConnectRequest(finished=trainer_service_pb2.TrainerFinished(iterations=run.iteration))
     )
+
+
+def report_iteration(
+    run: Run,
+    iteration: int,
+    loss: float,
+    seconds: float,
+    tokens: int,
+    flops: float = 0.0,
+    compute_seconds: float = 0.0,
+) -> None:
+    """One iteration's report, naming where the state came from on the first after a
+    (re)start or a reform."""
+    report = node_service_pb2.IterationReport(
+        job_id=run.config.job_id,
+        generation=run.generation,
+        rank=run.rank,
+        iteration=iteration,
+        loss=loss,
+        seconds=seconds,
+        tokens=tokens,
+        flops=flops,
+        compute_seconds=compute_seconds,
+    )
+    if run.source is not None:
+        report.state_source, report.restored_iteration = run.source
+        run.source = None
+    run.link.send(trainer_service_pb2.ConnectRequest(iteration=report))
 
 
 def error_kind(run: Run, exc: BaseException) -> common_pb2.FailureKind:

@@ -148,9 +148,7 @@ class Session:
     def __init__(self, training: Training | None = None, *, checkpoint_dir: str = "") -> None:
         from unicron.trainer import loop
 
-        run = runtime.active()
-        if run is None and runtime.under_agent():
-            run = runtime.attach()
+        run = runtime.current()
         if run is None:
             run = runtime.attach_local(loop.local_spec(training or Training()), checkpoint_dir)
         self._run = run
@@ -265,7 +263,10 @@ class Session:
                 continue
             self._trainer.iteration = run.iteration = step.iteration
             run.stepped, run.step_seconds = True, step.seconds
-            self._report(step)
+            # The loss is this rank's; the tokens the whole job's (every rank saw as many).
+            runtime.report_iteration(
+                run, step.iteration, step.loss, step.seconds, step.tokens * self.world_size, 0.0, step.seconds
+            )
             self._trainer.update_started = False
             if config.checkpoint_dir and interval and run.iteration % interval == 0:
                 checkpoint.save(self._trainer, config.checkpoint_dir)
@@ -273,25 +274,6 @@ class Session:
         if run.stop.is_set() and run.iteration < self.training.iterations:
             raise SystemExit(runtime.EXIT_STOPPED)
         runtime.finish(run)
-
-    def _report(self, step: Step) -> None:
-        from unicron.v1 import node_service_pb2, trainer_service_pb2
-
-        run = self._run
-        report = node_service_pb2.IterationReport(
-            job_id=run.config.job_id,
-            generation=run.generation,
-            rank=run.rank,
-            iteration=step.iteration,
-            loss=step.loss,
-            seconds=step.seconds,
-            tokens=step.tokens * self.world_size,
-            compute_seconds=step.seconds,
-        )
-        if run.source is not None:
-            report.state_source, report.restored_iteration = run.source
-            run.source = None
-        run.link.send(trainer_service_pb2.ConnectRequest(iteration=report))
 
     def _failed(self, step: Step, exc: BaseException) -> bool:
         """What ``with step`` does with an error: True when the step is to be redone (after a
