@@ -1,5 +1,8 @@
-"""The failure taxonomy as data (DESIGN.md section 2), shared by agent, trainer and
-coordinator: kind -> severity -> first action, and a classifier for caught exceptions."""
+"""The failure taxonomy as data (DESIGN.md section 2): kind -> severity -> first action,
+and a classifier for caught exceptions.
+
+Who uses what: trainers and agents observe (an exception's text, a health check) and report
+a kind; only the coordinator classifies a kind into its severity and remedy (`classify`)."""
 
 from __future__ import annotations
 
@@ -74,6 +77,20 @@ TAXONOMY: dict[pb.FailureKind, FailureClass] = {
         ),
     )
 }
+
+# How a failure elsewhere looks from a rank in the same process group: its collectives
+# break or time out. A rank that reports one of these has its state intact and waits for the
+# decision; a rank that reports any other kind had the failure itself and is replaced.
+GROUP_SYMPTOMS: frozenset[pb.FailureKind] = frozenset(
+    {
+        pb.FAILURE_KIND_CONNECTION_RESET,
+        pb.FAILURE_KIND_CONNECTION_REFUSED,
+        pb.FAILURE_KIND_NETWORK_ERROR,
+        pb.FAILURE_KIND_COLLECTIVE_TIMEOUT,
+        pb.FAILURE_KIND_LINK_FLAPPING,
+    }
+)
+
 
 # Ordered: the first pattern that matches an exception's text decides its kind. Hardware
 # markers come first because CUDA wraps them in generic "CUDA error" messages.

@@ -36,6 +36,10 @@ class AgentConfig(TLSConfig):
     # "none", or a list of ids such as "0,1,2,3".
     gpus: str = "auto"
     failure_domain: str = ""
+    # The container image this agent (and so every trainer it starts) runs in, as deploy/
+    # names it; "" when it runs outside one. A job whose program.image names another image
+    # does not run on this node.
+    image: str = ""
     work_dir: str = "run/agent"
     # Where the job's trainers keep persistent checkpoints (a directory per job). All
     # nodes of a job must see the same directory: a shared filesystem in a real cluster;
@@ -140,6 +144,7 @@ def setup(
             slots=config.slots,
             gpus=node_gpus(config.gpus),
             failure_domain=config.failure_domain,
+            image=config.image,
             work_dir=work_dir,
             checkpoint_dir=Path(config.checkpoint_dir or Path(config.work_dir) / "checkpoints"),
             snapshot_dir=snapshot_root(config, work_dir),

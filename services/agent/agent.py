@@ -29,8 +29,8 @@ from services.agent.health import HealthCheck, HealthFinding, run_checks
 from services.agent.spares import SparePool
 from services.agent.supervisor import Supervisor, WorkerExit, WorkerKey
 from services.agent.trainer_link import LinkHandlers, Rejected, TrainerLink
-from unicron import failures, rpc
 from unicron import incident_trace as trace
+from unicron import rpc
 from unicron.monitor import Finding, JobMonitor, MonitorSettings, ReportRejected
 from unicron.retry import Backoff, retry
 from unicron.security import ClientSecurity, WorkerTokens
@@ -91,6 +91,8 @@ class AgentSettings:
     trainer_env: Mapping[str, str] = field(default_factory=dict)
     # The node's GPU ids, one per slot (empty: no GPUs); a trainer sees its slot's alone.
     gpus: tuple[str, ...] = ()
+    # The container image this agent and its trainers run in ("" when none is named).
+    image: str = ""
 
 
 def trainer_base_env() -> dict[str, str]:
@@ -273,6 +275,7 @@ class Agent:
             slots=self.settings.slots,
             failure_domain=self.settings.failure_domain,
             fault_injection=self.settings.fault_injection,
+            image=self.settings.image,
         )
         reply = self._call(lambda: self._stub.RegisterNode(request, timeout=RPC_TIMEOUT_S), deadline_s=None)
         self._heartbeat_s = reply.heartbeat_interval_seconds or 1.0
@@ -575,6 +578,14 @@ class Agent:
     ) -> None:
         """Starts this node's ranks of the assignment (only those in `only`, when given)."""
         assignment = start.assignment
+        wanted = start.spec.program.image
+        if wanted and wanted != self.settings.image:
+            # Trainers run in this agent's own image: another image's code is not here.
+            raise OSError(
+                f"the job's program.image is {wanted!r}, but this node runs "
+                + (f"{self.settings.image!r}" if self.settings.image else "no named image")
+                + " and starts no containers"
+            )
         ranks = [r for w in assignment.workers if w.node_id == self.settings.node_id for r in w.ranks]
         spec_json = json_format.MessageToJson(start.spec, indent=None)
         with self._monitors_lock:
@@ -767,7 +778,7 @@ class Agent:
         self._report(_stamp(report, time.time()))
 
     def _report(self, report: common_pb2.FailureReport) -> None:
-        report.severity = failures.classify(report.kind).severity
+        # Only the kind: the coordinator alone turns a kind into severity and remedy.
         request = pb.ReportFailureRequest(node_id=self.settings.node_id, report=report)
         self._send("failure report", lambda: self._stub.ReportFailure(request, timeout=RPC_TIMEOUT_S))
 

@@ -162,6 +162,14 @@ class Coordinator:
     def submit(self, spec: common_pb2.JobSpec, owner: str = "") -> common_pb2.Job:
         spec = jobspec.normalized(spec)
         nodes = self._list_nodes()
+        if spec.program.image:
+            # Agents start trainers in their own image: only nodes running this one can host it.
+            images = ", ".join(sorted({repr(n.image) for n in nodes if n.image})) or "none named"
+            nodes = [n for n in nodes if n.image == spec.program.image]
+            if not nodes:
+                raise FailedPrecondition(
+                    f"program.image: no node runs {spec.program.image!r} (the agents' --image: {images})"
+                )
         capacity = decide.total_slots(nodes)
         needed = jobspec.world_size(spec, spec.parallelism.min_data)
         if needed > capacity:
@@ -239,7 +247,13 @@ class Coordinator:
     # ---- nodes ------------------------------------------------------------------------
 
     def register_node(
-        self, node_id: str, address: str, slots: int, failure_domain: str, fault_injection: bool = False
+        self,
+        node_id: str,
+        address: str,
+        slots: int,
+        failure_domain: str,
+        fault_injection: bool = False,
+        image: str = "",
     ) -> tuple[common_pb2.Node, str]:
         if not node_id:
             raise InvalidArgument("node_id", "is required")
@@ -260,6 +274,7 @@ class Coordinator:
             state=common_pb2.NODE_STATE_READY,
             failure_domain=failure_domain,
             fault_injection=fault_injection,
+            image=image,
         )
         if previous is not None:
             node.registered.CopyFrom(previous.registered)

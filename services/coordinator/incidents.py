@@ -31,15 +31,7 @@ def _seconds(stamp: Timestamp) -> float:
 # Network errors of the surviving ranks are how a peer's death looks from the outside; the
 # peers can catch theirs a few milliseconds before the dead rank's agent records the exit.
 CONSEQUENCE_WINDOW_S = 2.0
-_CONSEQUENCES = frozenset(
-    {
-        pb.FAILURE_KIND_CONNECTION_RESET,
-        pb.FAILURE_KIND_CONNECTION_REFUSED,
-        pb.FAILURE_KIND_NETWORK_ERROR,
-        pb.FAILURE_KIND_COLLECTIVE_TIMEOUT,
-        pb.FAILURE_KIND_LINK_FLAPPING,
-    }
-)
+_CONSEQUENCES = failures.GROUP_SYMPTOMS
 
 
 # How long a job's network-error incident waits for a report that explains it (a rank's
@@ -179,23 +171,19 @@ def needs_heavier_remedy(incident: pb.Incident) -> bool:
 
 
 def waiting_and_gone(incident: pb.Incident) -> tuple[set[int], set[int]]:
-    """Ranks of the incident's generation that reported a network error (they wait for the
-    coordinator's decision, state intact) and ranks that exited."""
-    waiting = {
-        r.rank
-        for r in incident.reports
-        if r.generation == incident.generation
-        and r.source == pb.DETECTION_SOURCE_EXCEPTION
-        and r.kind in _CONSEQUENCES
-        and r.HasField("rank")
-    }
-    gone = {
-        r.rank
-        for r in incident.reports
-        if r.generation == incident.generation
-        and r.source == pb.DETECTION_SOURCE_PROCESS_SUPERVISION
-        and r.HasField("rank")
-    }
+    """Ranks of the incident's generation that wait for the coordinator's decision with their
+    state intact (they reported how a peer's failure looks: a network error), and ranks that
+    are gone or must go: exited, or alive after an error of their own (software, memory,
+    device: failures.GROUP_SYMPTOMS), which waits for its replacement, its state untrusted."""
+    waiting: set[int] = set()
+    gone: set[int] = set()
+    for r in incident.reports:
+        if r.generation != incident.generation or not r.HasField("rank"):
+            continue
+        if r.source == pb.DETECTION_SOURCE_PROCESS_SUPERVISION:
+            gone.add(r.rank)
+        elif r.source == pb.DETECTION_SOURCE_EXCEPTION:
+            (waiting if r.kind in _CONSEQUENCES else gone).add(r.rank)
     return waiting - gone, gone
 
 
@@ -210,7 +198,8 @@ def lost_nodes(incident: pb.Incident) -> set[str]:
 
 
 def ranks_alive(incident: pb.Incident) -> bool:
-    """False when a report says a rank of the incident's generation is gone (exited, or its
-    node lost): nothing can then be reattempted in place."""
-    gone = (pb.DETECTION_SOURCE_PROCESS_SUPERVISION, pb.DETECTION_SOURCE_HEARTBEAT)
-    return not any(r.source in gone and r.generation == incident.generation for r in incident.reports)
+    """False when a rank of the incident's generation is gone or must go (waiting_and_gone),
+    or its node is lost: nothing can then be reattempted in place."""
+    gone_sources = (pb.DETECTION_SOURCE_PROCESS_SUPERVISION, pb.DETECTION_SOURCE_HEARTBEAT)
+    gone = any(r.source in gone_sources and r.generation == incident.generation for r in incident.reports)
+    return not gone and not waiting_and_gone(incident)[1]

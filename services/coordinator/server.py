@@ -110,6 +110,7 @@ class NodeServicer(node_service_pb2_grpc.NodeServiceServicer):
             request.slots,
             request.failure_domain,
             request.fault_injection,
+            request.image,
         )
         return nodes_pb.RegisterNodeResponse(
             node=node,

@@ -1,5 +1,6 @@
 """The self-healing loop end to end, with real processes: three agents, two jobs of different
-weights. A killed trainer is restarted, a SEV3 fault is reattempted in place, a lost agent
+weights. A killed trainer is restarted, a SEV3 fault is reattempted in place, a rank with a
+software error of its own is replaced while its peer trains on, a lost agent
 makes the planner pause the lighter job so the heavier one keeps its size, and the agent's
 return grows the cluster back. Each step checks that training goes on (iteration and loss
 move), the incident record, and the incident's trace (spans written by every process to a
@@ -185,6 +186,29 @@ def test_a_sev3_fault_is_reattempted_in_place(cluster: LocalCluster) -> None:
     assert after.progress.iteration > before.progress.iteration
     assert "state: live" in next(c.reason for c in reversed(after.history) if "resumed" in c.reason)
     check_trace(cluster, incident, "reattempt")
+
+
+def test_a_rank_with_an_error_of_its_own_is_replaced_and_takes_a_live_peers_state(cluster: LocalCluster) -> None:
+    # The rank reports the error and waits; the coordinator alone classifies it (SEV2: the
+    # rank's state is not trusted), restarts that rank only, and the new process takes the
+    # state from the rank that kept training.
+    with UnicronClient(cluster.coordinator) as client:
+        before = client.get(HEAVY)
+        (kept,) = [p.pid for p in cluster.trainer_processes(before.job_id, rank=0)]
+        (failed,) = [p.pid for p in cluster.trainer_processes(before.job_id, rank=1)]
+        seen = incident_ids(client, HEAVY)
+        inject(cluster, HEAVY, "exception:software_error", rank=1)
+        incident = newest_incident(client, HEAVY, seen)
+        after = trains_on(client, HEAVY)
+        incident = next(i for i in client.incidents(after.job_id) if i.incident_id == incident.incident_id)
+    assert incident.kind == common_pb2.FAILURE_KIND_SOFTWARE_ERROR and incident.severity == common_pb2.SEVERITY_SEV2
+    assert incident.remedy == common_pb2.REMEDY_RESTART and incident.HasField("resumed")
+    pids = {rank: [p.pid for p in cluster.trainer_processes(after.job_id, rank=rank)] for rank in (0, 1)}
+    assert pids[0] == [kept] and len(pids[1]) == 1 and pids[1] != [failed], pids
+    assert after.progress.iteration > before.progress.iteration
+    # Rank 0 (whose report the coordinator reads) went on with its own state; nothing redone.
+    resumed = next(c.reason for c in reversed(after.history) if "resumed" in c.reason)
+    assert "state: live" in resumed and "0 iterations recomputed" in resumed, resumed
 
 
 def test_a_lost_agent_pauses_the_lighter_job_and_its_return_grows_it_back(cluster: LocalCluster) -> None:

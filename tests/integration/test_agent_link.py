@@ -182,3 +182,16 @@ def test_a_trainer_the_agent_does_not_know_fails_to_connect_at_once(agent: Agent
         link.open(timeout_s=30)
     assert time.monotonic() - started < 10  # not the welcome timeout
     link.close()
+
+
+def test_a_job_for_another_image_is_refused_with_the_reason(control_plane: ControlPlane, agent: Agent) -> None:
+    # The agent starts trainers in its own image; the job's image is not here. The start
+    # command is acknowledged with the reason and no trainer starts.
+    spec = tiny_spec(data=1)
+    spec.program.image = "team/llm:7"
+    job = common_pb2.Job(job_id="job-img", spec=spec)
+    start = node_service_pb2.StartWorkers(job_id=job.job_id, spec=spec, assignment=common_pb2.Assignment(generation=1))
+    start.assignment.workers.add(node_id="n1", ranks=[0])
+    with pytest.raises(OSError, match=r"program\.image is 'team/llm:7', but this node runs no named image"):
+        agent._start_workers(start)
+    assert not agent.supervisor.running(job.job_id)

@@ -150,6 +150,31 @@ def test_more_slots_than_exist_is_failed_precondition(control_plane: ControlPlan
     assert snapshot(control_plane.redis) == before
 
 
+def test_an_image_no_node_runs_is_failed_precondition(control_plane: ControlPlane) -> None:
+    stub = control_plane.node_stub()
+    for node_id, image in (("n1", "unicron:1.0"), ("n2", "")):
+        stub.RegisterNode(
+            node_service_pb2.RegisterNodeRequest(node_id=node_id, address="127.0.0.1:7001", slots=2, image=image),
+            timeout=5,
+        )
+    spec = tiny_spec(data=2)
+    spec.program.image = "team/llm:7"
+    before = snapshot(control_plane.redis)
+    with control_plane.client() as client:
+        with pytest.raises(ClientError) as error:
+            client.submit(spec)
+        assert error.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert "program.image" in str(error.value) and "'unicron:1.0'" in str(error.value)
+        assert snapshot(control_plane.redis) == before
+        # The image one node runs: the job fits that node's slots alone.
+        spec.program.image = "unicron:1.0"
+        assert client.submit(spec).state == common_pb2.JOB_STATE_PENDING
+        spec.name, spec.parallelism.data, spec.training.global_batch_size = "wider", 4, 8
+        with pytest.raises(ClientError) as error:
+            client.submit(spec)
+        assert "4 slots" in str(error.value) and "has 2 across 1 nodes" in str(error.value), str(error.value)
+
+
 @pytest.mark.parametrize("call", ["get", "cancel"])
 def test_unknown_job_is_not_found(control_plane: ControlPlane, call: str) -> None:
     before = snapshot(control_plane.redis)

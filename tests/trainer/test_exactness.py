@@ -33,6 +33,7 @@ from tests.trainer.harness import (
 )
 from unicron.localcluster import gpt_program
 from unicron.trainer import checkpoint
+from unicron.trainer.settings import trainer_env
 from unicron.v1 import common_pb2
 
 ITERATIONS = 20
@@ -104,7 +105,7 @@ def _reattempt(tmp_path: Path, tensor: int, pipeline: int) -> Path:
     keys: list[ProcessKey] = [(1, 0), (1, 1)]
     agent = ReformAgent({(1, 0): 0, (1, 1): 1}, generation=2, world_size=2, port=new_port, when=ReformAgent.any_error)
     root = tmp_path / "ckpt"
-    fault = {"UNICRON_TRAINER_FAULT_INJECTION": "1", "UNICRON_TRAINER_FAULTS": ALLREDUCE_TIMEOUT}
+    fault = trainer_env(fault_injection=True, faults=(ALLREDUCE_TIMEOUT,))
     try:
         spec = spec_of(tensor, pipeline)
         ranks = [
@@ -135,13 +136,13 @@ def test_a_restart_from_a_live_peer_is_exact(references: dict[str, Any], tmp_pat
     port, new_port = free_port(), free_port()
     agent = ReformAgent({(1, 0): 0}, generation=2, world_size=2, port=new_port, when=ReformAgent.any_error)
     root = tmp_path / "ckpt"
-    crash = {"UNICRON_TRAINER_FAULT_INJECTION": "1", "UNICRON_TRAINER_FAULTS": "crash@9"}
+    crash = trainer_env(fault_injection=True, faults=("crash@9",))
     try:
         spec = spec_of()
         old = [start_trainer(agent.address, spec, r, 2, port, tmp_path, 1, root, crash if r else None) for r in (0, 1)]
         assert old[1].wait().returncode != 0
         restarted = start_trainer(
-            agent.address, spec, 1, 2, new_port, tmp_path, 2, root, {"UNICRON_TRAINER_STATE_FROM_PEER": "1"}
+            agent.address, spec, 1, 2, new_port, tmp_path, 2, root, trainer_env(state_from_peer=True)
         )
         for result in (old[0].wait(), restarted.wait()):
             assert result.returncode == 0, result.log[-3000:]
@@ -160,7 +161,7 @@ def test_a_restart_of_every_rank_is_exact_from_snapshots_and_from_the_checkpoint
     again from a copy of the same moment without the snapshots, from the persistent checkpoint
     (every 5: 10). Both end exact."""
     root, snapshots = tmp_path / "ckpt", tmp_path / "snapshots"
-    env = {"UNICRON_TRAINER_SNAPSHOT_DIR": str(snapshots)}
+    env = trainer_env(snapshot_dir=str(snapshots))
     # Rank 0 reports its broken group; told to stop, it exits (143) instead of waiting.
     agent = FakeAgent(stop_on_error=True)
     spec = spec_of(checkpoint_interval=5)
@@ -185,7 +186,7 @@ def test_a_shrink_is_exact_against_one_rank(references: dict[str, Any], tmp_path
     port, new_port = free_port(), free_port()
     root = tmp_path / "ckpt"
     agent = ReformAgent({(1, 0): 0}, generation=2, world_size=1, port=new_port, when=ReformAgent.any_error)
-    exits = {"UNICRON_TRAINER_FAULT_INJECTION": "1", "UNICRON_TRAINER_FAULTS": "exit@6"}
+    exits = trainer_env(fault_injection=True, faults=("exit@6",))
     try:
         ranks = [
             start_trainer(agent.address, spec_of(), r, 2, port, tmp_path, 1, root, exits if r else None) for r in (0, 1)
@@ -210,11 +211,11 @@ def test_a_grow_is_exact_against_one_rank(references: dict[str, Any], tmp_path: 
         return joining in agent.hellos and len(agent.of((1, 0), "iteration")) >= 6
 
     agent = ReformAgent({(1, 0): 0}, generation=2, world_size=2, port=new_port, when=ready)
-    slow = {"UNICRON_TRAINER_FAULT_INJECTION": "1", "UNICRON_TRAINER_FAULTS": "slow:0.3@6"}
+    slow = trainer_env(fault_injection=True, faults=("slow:0.3@6",))
     try:
         old = start_trainer(agent.address, spec_of(), 0, 1, port, tmp_path, 1, root, slow)
         new = start_trainer(
-            agent.address, spec_of(), 1, 2, new_port, tmp_path, 2, root, {"UNICRON_TRAINER_STATE_FROM_PEER": "1"}
+            agent.address, spec_of(), 1, 2, new_port, tmp_path, 2, root, trainer_env(state_from_peer=True)
         )
         results = [old.wait(), new.wait()]
     finally:

@@ -1,7 +1,8 @@
-"""After a reattemptable (SEV3) error a rank reports it first, then waits for the agent's
-decision (a reform into a new group, a stop, or nothing: it gives up), at most
-``max_reattempts`` times per iteration. Tested against a fake link (no torch); the real thing,
-ranks reforming and redoing the iteration, is in test_reform.py (test_reattempt_by_reform).
+"""After an error a rank reports it first, then waits for the decision (a reform into a new
+group, a stop, or nothing: it gives up), at most ``max_reattempts`` times per iteration. The
+rank does not judge the error's severity: the coordinator does, from the reported kind.
+Tested against a fake link (no torch); the real thing, ranks reforming and redoing the
+iteration, is in test_reform.py (test_reattempt_by_reform).
 """
 
 from __future__ import annotations
@@ -104,14 +105,32 @@ def test_losing_the_agent_while_waiting_gives_up() -> None:
     assert time.monotonic() - start < 3.0
 
 
-def test_errors_that_are_not_sev3_do_not_wait() -> None:
+@pytest.mark.parametrize(
+    ("error", "kind"),
+    [
+        (
+            RuntimeError("CUDA error: an illegal memory access was encountered"),
+            common_pb2.FAILURE_KIND_ILLEGAL_MEMORY_ACCESS,
+        ),
+        (ValueError("shapes do not align"), common_pb2.FAILURE_KIND_SOFTWARE_ERROR),
+    ],
+)
+def test_every_error_waits_for_the_decision_which_may_replace_the_rank(error: Exception, kind: int) -> None:
+    # The coordinator restarts a rank whose own error it was by stopping it (a reform that
+    # leaves it out): the waiting rank is told to stop.
     run, link = _run()
-    assert after_failure(run, RuntimeError("CUDA error: an illegal memory access was encountered")) is Decision.GIVE_UP
-    assert after_failure(run, ValueError("shapes do not align")) is Decision.GIVE_UP
-    assert [m.error.kind for m in link.sent] == [
-        common_pb2.FAILURE_KIND_ILLEGAL_MEMORY_ACCESS,
-        common_pb2.FAILURE_KIND_SOFTWARE_ERROR,
-    ]
+    _later(run.stop.set)
+    assert after_failure(run, error) is Decision.STOP
+    assert [m.error.kind for m in link.sent] == [kind]
+
+
+def test_without_an_agent_nobody_decides_and_the_error_ends_the_rank() -> None:
+    run, link = _run()
+    run.supervised = False  # plain torchrun: no agent to wait for
+    start = time.monotonic()
+    assert after_failure(run, InjectedFailure(TIMEOUT_TEXT)) is Decision.GIVE_UP
+    assert time.monotonic() - start < 1.0
+    assert len(link.sent) == 1
 
 
 def test_a_step_that_already_updated_parameters_is_not_redone() -> None:

@@ -44,10 +44,13 @@ from unicron.trainer.runtime import (
     Run,
     TrainerConfig,
     after_failure,
+    enter_generation,
+    interrupt_collectives,
     poll_reform,
     reform_overdue,
     watch_reforms,
 )
+from unicron.trainer.settings import trainer_env
 from unicron.v1 import common_pb2
 from unicron.v1 import trainer_service_pb2 as pb
 
@@ -137,8 +140,9 @@ def test_a_pending_reform_takes_a_broken_group_without_a_new_incident() -> None:
     # Even a step that cannot be redone joins (without its state: the caller passes that on).
     assert after_failure(run, RuntimeError(RESET_TEXT), redoable=False) is Decision.REFORM
     assert link.sent == []
-    # Not for an error the process cannot go on from: that is reported, and the rank gives up.
-    assert after_failure(run, RuntimeError("CUDA error: an illegal memory access was encountered")) is Decision.GIVE_UP
+    # An error of the rank's own is reported all the same (the coordinator decides on it); the
+    # decision it waits for is the reform already pending.
+    assert after_failure(run, RuntimeError("CUDA error: an illegal memory access was encountered")) is Decision.REFORM
     assert [m.error.kind for m in link.sent] == [common_pb2.FAILURE_KIND_ILLEGAL_MEMORY_ACCESS]
 
 
@@ -321,7 +325,7 @@ def test_shrink_without_restart(tmp_path: Path) -> None:
     survivors: list[ProcessKey] = [(1, 0), (1, 1)]
     agent = ReformAgent({(1, 0): 0, (1, 1): 1}, generation=2, world_size=2, port=new_port, when=ReformAgent.any_error)
     try:
-        faults = {"UNICRON_TRAINER_FAULT_INJECTION": "1", "UNICRON_TRAINER_FAULTS": "exit@4"}
+        faults = trainer_env(fault_injection=True, faults=("exit@4",))
         trainers = {
             (1, rank): start_trainer(
                 agent.address, spec, rank, 3, port, tmp_path, checkpoint_dir=root, env=faults if rank == 2 else None
@@ -372,7 +376,7 @@ def _grow(tmp_path: Path, root: Path, checkpoint_interval: int, corrupt: bool) -
         return new in agent.hellos and bool(agent.of((1, 0), "fault_fired"))
 
     agent = ReformAgent({(1, 0): 0, (1, 1): 1}, generation=2, world_size=3, port=new_port, when=ready)
-    env = {"UNICRON_TRAINER_FAULT_INJECTION": "1", "UNICRON_TRAINER_FAULTS": "slow:0.5@3"}
+    env = trainer_env(fault_injection=True, faults=("slow:0.5@3",))
     if corrupt:
         env["UNICRON_TRAINER_CORRUPT_PEER_STATE"] = "1"
     try:
@@ -450,7 +454,7 @@ def test_reattempt_by_reform(tmp_path: Path, tensor: int, where: str) -> None:
     keys: list[ProcessKey] = [(1, 0), (1, 1)]
     agent = ReformAgent({(1, 0): 0, (1, 1): 1}, generation=2, world_size=2, port=new_port, when=ReformAgent.any_error)
     fault = "exception:collective_timeout:allreduce@2" if where == "allreduce" else "exception:collective_timeout@2"
-    faults = {"UNICRON_TRAINER_FAULT_INJECTION": "1", "UNICRON_TRAINER_FAULTS": fault}
+    faults = trainer_env(fault_injection=True, faults=(fault,))
     try:
         trainers = {
             key: start_trainer(agent.address, spec, key[1], 2, port, tmp_path, 1, root, faults if key[1] else None)
@@ -545,3 +549,33 @@ def test_leaving_a_group_breaks_a_waiting_peers_collective_at_once() -> None:
                 proc.kill()
     assert "left" in got
     assert "failed" in got and got["failed"] < 15.0, got
+
+
+def test_an_interrupted_group_takes_the_pending_reform_whatever_the_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    # On NCCL, interrupt_collectives aborts the old group when a reform answers an incident;
+    # the training thread's next error (whatever NCCL calls it) is that abort, not news.
+    from unicron.trainer import reform as reforming
+
+    run, link = _run()
+    monkeypatch.setattr(reforming, "abort_communicators", lambda: True)
+    reform = _reform(2)
+    run.reforms.put(reform)
+    interrupt_collectives(run, reform)
+    assert run.interrupted
+    assert after_failure(run, RuntimeError("Default process group has not been initialized")) is Decision.REFORM
+    assert link.sent == []
+    enter_generation(run, reform)
+    assert not run.interrupted
+
+
+def test_aborting_communicators_leaves_a_gloo_group_alone(world1: None) -> None:
+    # Gloo has nothing to abort (its blocked collectives ignore abort): the group stays usable.
+    import torch.distributed as dist
+
+    from unicron.trainer import reform as reforming
+
+    assert not reforming.abort_communicators()
+    assert dist.is_initialized()
+    flag = torch.ones(1)
+    dist.all_reduce(flag)
+    assert flag.item() == 1.0

@@ -21,6 +21,7 @@ from tests.trainer.harness import (
     start_trainer,
 )
 from unicron.trainer import checkpoint
+from unicron.trainer.settings import trainer_env
 from unicron.v1 import common_pb2
 
 ITERATIONS = 20
@@ -95,7 +96,7 @@ def test_shrink_by_reform_keeps_the_state_exact(reference: dict[str, Any], tmp_p
     port, new_port = free_port(), free_port()
     agent = ReformAgent({(1, 0): 0}, generation=2, world_size=1, port=new_port, when=ReformAgent.any_error)
     agents.append(agent)
-    faults = {"UNICRON_TRAINER_FAULT_INJECTION": "1", "UNICRON_TRAINER_FAULTS": "exit@8"}
+    faults = trainer_env(fault_injection=True, faults=("exit@8",))
     root = tmp_path / "ckpt"
     ranks = [
         start_trainer(agent.address, digits_spec(), r, 2, port, tmp_path, 1, root, faults if r else None)
@@ -122,10 +123,10 @@ def test_grow_takes_the_state_from_a_live_peer(reference: dict[str, Any], tmp_pa
     agent = ReformAgent({(1, 0): 0}, generation=2, world_size=2, port=new_port, when=ready)
     agents.append(agent)
     root = tmp_path / "ckpt"
-    slow = {"UNICRON_TRAINER_FAULT_INJECTION": "1", "UNICRON_TRAINER_FAULTS": "slow:0.3@5"}
+    slow = trainer_env(fault_injection=True, faults=("slow:0.3@5",))
     old = start_trainer(agent.address, digits_spec(), 0, 1, port, tmp_path, 1, root, slow)
     joining = start_trainer(
-        agent.address, digits_spec(), 1, 2, new_port, tmp_path, 2, root, {"UNICRON_TRAINER_STATE_FROM_PEER": "1"}
+        agent.address, digits_spec(), 1, 2, new_port, tmp_path, 2, root, trainer_env(state_from_peer=True)
     )
     results = [old.wait(), joining.wait()]
     for result in results:

@@ -124,3 +124,24 @@ def test_a_snapshot_due_while_one_is_being_written_is_skipped(world1: None, tmp_
     finally:
         trainer.close()
     assert (tmp_path / "rank0" / "iter_00000002.sha256").is_file()
+
+
+def test_the_snapshot_is_the_state_when_taken_though_training_goes_on_at_once(world1: None, tmp_path: Path) -> None:
+    # Serializing and writing happen off the training thread: the copy taken on it must not
+    # share a tensor with the trainer, which the next step changes in place.
+    trainer = gpt_trainer(MODEL, TRAIN)
+    try:
+        trainer.step()
+        taken = _params(trainer)
+        writer = snapshot.SnapshotWriter(tmp_path, rank=0, every=1)
+        assert writer.after_iteration(trainer)
+        with torch.no_grad():
+            for param in trainer.model.parameters():
+                param.add_(1.0)
+        writer.wait()
+        payload = torch.load(tmp_path / "rank0" / "iter_00000001.snap", weights_only=True)
+    finally:
+        trainer.close()
+    saved = {k: v for k, v in payload["model"].items() if isinstance(v, torch.Tensor)}
+    assert saved.keys() == taken.keys()
+    assert relative_difference(saved, taken) == 0.0

@@ -113,3 +113,21 @@ def test_a_lost_nodes_ranks_stay_gone_after_its_agent_is_back() -> None:
     lost = report(pb.FAILURE_KIND_NODE_LOST, pb.DETECTION_SOURCE_HEARTBEAT, 9.0)
     assert incidents.lost_nodes(build(reset)) == set()
     assert incidents.lost_nodes(build(reset, lost)) == {"n1"}
+
+
+def test_a_rank_with_an_error_of_its_own_is_replaced_and_its_peers_wait() -> None:
+    # The rank that had the error waits alive for the decision, but its state is not trusted:
+    # it counts as gone (replaced by a restart), the peers that saw their group break wait.
+    own = report(pb.FAILURE_KIND_SOFTWARE_ERROR, EXC, 1.0, rank=2)
+    echoes = [report(pb.FAILURE_KIND_CONNECTION_RESET, EXC, 1.1, rank=r) for r in (0, 1, 3)]
+    incident = build(own, *echoes)
+    assert incidents.waiting_and_gone(incident) == ({0, 1, 3}, {2})
+    assert incident.kind == pb.FAILURE_KIND_SOFTWARE_ERROR and incident.severity == pb.SEVERITY_SEV2
+    assert not incidents.ranks_alive(incident) and incidents.accounts_for_all(incident, 4)
+
+
+def test_severity_is_the_coordinators_whatever_a_reporter_sent() -> None:
+    sent = report(pb.FAILURE_KIND_COLLECTIVE_TIMEOUT, EXC, 1.0, rank=0)
+    sent.severity = pb.SEVERITY_SEV1
+    incident = build(sent)
+    assert incident.severity == pb.SEVERITY_SEV3 and incident.reports[0].severity == pb.SEVERITY_SEV3

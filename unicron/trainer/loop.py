@@ -188,7 +188,7 @@ def train(run: Run, program: MegatronProgram) -> None:
             )
             save_due = bool(config.checkpoint_dir) and run.iteration % interval == 0
             writer.after_iteration(trainer)
-        if save_due:
+        if save_due and not run.stop.is_set():  # a stopped rank owes no collective
             checkpoint.save(trainer, config.checkpoint_dir)
         trainer.close()
     except BaseException as exc:

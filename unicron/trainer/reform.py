@@ -182,6 +182,22 @@ def teardown(trainer: Trainer | None) -> str:
     return backend
 
 
+def abort_communicators() -> bool:
+    """Aborts every NCCL communicator of this process (ncclCommAbort): a collective blocked in
+    one fails at once instead of at its timeout. Safe from another thread than the one in the
+    collective; the groups are then unusable, and teardown() finds the world gone. Returns
+    whether anything was aborted: False without a world, or on gloo (abort only forgets a gloo
+    group, its blocked collective goes on waiting)."""
+    if not dist.is_initialized() or str(dist.get_backend()) != "nccl":
+        return False
+    try:
+        dist.distributed_c10d._abort_process_group()
+    except (RuntimeError, ValueError) as exc:  # the training thread destroyed the world meanwhile
+        log.info("abort of the NCCL communicators skipped: %s", exc)
+        return False
+    return True
+
+
 @dataclass(frozen=True)
 class Parked:
     """A rank that left its process group after an error: its state for the next group (None:

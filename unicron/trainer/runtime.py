@@ -41,7 +41,7 @@ from google.protobuf import json_format
 
 from unicron import timeouts
 from unicron.config import load_config
-from unicron.failures import classify, classify_exception, kind_name
+from unicron.failures import GROUP_SYMPTOMS, classify_exception, kind_name
 from unicron.faults import parse_fault
 from unicron.logs import exit_flushed, setup_logging
 from unicron.trainer.agent_link import AgentLink, LinkCallbacks
@@ -130,6 +130,8 @@ class Run:
     finished: bool = False
     # Whether an agent supervises this run (else: a local run under torchrun).
     supervised: bool = True
+    # Set when interrupt_collectives aborted the old group's communicators for a pending reform.
+    interrupted: bool = False
 
     def __post_init__(self) -> None:
         if self.generation < 0:
@@ -202,6 +204,11 @@ def attach(argv: list[str] | None = None) -> Run:
     lost = threading.Event()
     reforms: queue.Queue[trainer_service_pb2.AgentReform] = queue.Queue()
 
+    def on_reform(reform: trainer_service_pb2.AgentReform) -> None:
+        reforms.put(reform)
+        if reform.incident_id:
+            interrupt_collectives(run, reform)
+
     def on_lost(_reason: str) -> None:
         lost.set()
         stop.set()
@@ -213,7 +220,7 @@ def attach(argv: list[str] | None = None) -> Run:
             on_stop=lambda reason: stop.set(),
             on_inject=inject,
             on_lost=on_lost,
-            on_reform=reforms.put,
+            on_reform=on_reform,
         ),
         security=agent_security,
     )
@@ -311,10 +318,11 @@ def error_kind(run: Run, exc: BaseException) -> common_pb2.FailureKind:
     return kind
 
 
-def report_error(run: Run, exc: BaseException) -> None:
-    """Tells the agent what went wrong, before any cleanup: tearing down a process group
-    whose peers still wait in a collective can block, and the report must not wait."""
-    kind = error_kind(run, exc)
+def report_error(run: Run, exc: BaseException, kind: common_pb2.FailureKind | None = None) -> None:
+    """Tells the agent what went wrong (``kind``: error_kind's, when known already), before any
+    cleanup: tearing down a process group whose peers still wait in a collective can block,
+    and the report must not wait."""
+    kind = error_kind(run, exc) if kind is None else kind
     error = trainer_service_pb2.TrainerError(
         kind=kind,
         message=f"{type(exc).__name__}: {exc}"[:2000],
@@ -386,6 +394,23 @@ def watch_reforms(run: Run, period_s: float = 1.0, exit_process: Callable[[int],
             return
 
 
+def interrupt_collectives(run: Run, reform: trainer_service_pb2.AgentReform) -> None:
+    """On NCCL, aborts this process's communicators when a reform answers an incident: the
+    old group is broken (a member died or left it), and a collective of the training thread
+    blocked on it would otherwise wait for the watchdog or the collective timeout. Aborted, the
+    collective fails at once and the training thread takes the reform (after_failure). Gloo's
+    collectives cannot be interrupted this way (see reform.py); there the leaving peers'
+    closed connections break them. Runs on the agent link's thread."""
+    from unicron.trainer import reform as reforming
+
+    if reforming.abort_communicators():
+        run.interrupted = True
+        logging.getLogger("trainer").warning(
+            "aborted the NCCL communicators of the old process group",
+            extra={"incident": reform.incident_id, "generation": reform.generation},
+        )
+
+
 def reform_waiting(run: Run) -> bool:
     """Whether a reform newer than this process's generation waits (see poll_reform)."""
     return poll_reform(run) is not None
@@ -395,6 +420,7 @@ def enter_generation(run: Run, reform: trainer_service_pb2.AgentReform) -> None:
     """From now on this rank belongs to ``reform``'s generation: its errors are reported as
     that generation's, and only a newer reform supersedes this one."""
     run.pending_reform = None
+    run.interrupted = False
     run.generation, run.rank, run.world_size = reform.generation, reform.rank, reform.world_size
 
 
@@ -432,18 +458,23 @@ def release_frames(exc: BaseException) -> None:
 def after_failure(
     run: Run, exc: BaseException, redoable: bool = True, leave_group: Callable[[], None] | None = None
 ) -> Decision:
-    """Reports ``exc`` (first, before anything can block) and decides what the rank does next.
-    Only a reattemptable (SEV3) error of a step that can be redone waits for the agent, and
-    at most ``max_reattempts`` times for one iteration. ``leave_group`` (when given) runs
-    before the wait: the rank leaves its process group at once (see reform.park), so that
-    peers waiting on it in a collective fail and report now, not at the collective timeout.
+    """Reports ``exc`` (first, before anything can block) and waits for the decision, which
+    is the coordinator's alone (it classifies the reported kind): a reform (reattempt, or a
+    restart of other ranks, with this rank's state), or a stop (this rank is replaced, or the
+    job fails). The rank gives up at once only where nobody can decide or nothing can be
+    redone: no agent (plain torchrun), an error of the program itself (the redo fails the
+    same way), a step that already updated the parameters, or ``max_reattempts`` reforms for
+    one iteration. ``leave_group`` (when given) runs before
+    the wait: the rank leaves its process group at once (see reform.park), so that peers
+    waiting on it in a collective fail and report now, not at the collective timeout.
 
-    Exception: a SEV3 error while a reform is already pending is not reported; the agent has
-    decided already, and the error is most likely the old group breaking as peers leave it for
-    the new one. The rank takes the reform (with its state only if the step can be redone)."""
+    Exception: a network error while a reform is already pending is not reported; the agent
+    has decided already, and the error is most likely the old group breaking as peers leave it
+    for the new one (or, on NCCL, any error once interrupt_collectives aborted the group). The
+    rank takes the reform (with its state only if the step can be redone)."""
     log = logging.getLogger("trainer")
-    failure = classify(error_kind(run, exc))
-    if failure.severity == common_pb2.SEVERITY_SEV3 and poll_reform(run) is not None:
+    kind = error_kind(run, exc)
+    if (kind in GROUP_SYMPTOMS or run.interrupted) and poll_reform(run) is not None:
         log.warning(
             "step %d failed while a reform is pending (%s: %s); joining the new group",
             run.iteration + 1,
@@ -451,13 +482,13 @@ def after_failure(
             str(exc)[:200],
         )
         return Decision.REFORM
-    report_error(run, exc)
+    report_error(run, exc, kind)
     run.reported = exc
-    if failure.severity != common_pb2.SEVERITY_SEV3:
-        return Decision.GIVE_UP
+    if not run.supervised or kind == common_pb2.FAILURE_KIND_PROGRAM_ERROR:
+        return Decision.GIVE_UP  # nobody to decide, or a redo that fails the same way
     step = run.iteration + 1
     if not redoable:
-        log.error("the failed step %d already updated the parameters; it cannot be reattempted", step)
+        log.error("the failed step %d already updated the parameters; it cannot be redone", step)
         return Decision.GIVE_UP
     if run.reattempt_step != step:
         run.reattempt_step, run.reattempt_count = step, 0
@@ -470,7 +501,9 @@ def after_failure(
     decision = wait_for_decision(run, run.config.reattempt_wait_s)
     if decision is Decision.REFORM:
         run.reattempt_count += 1
-    elif decision is Decision.GIVE_UP:
+    elif decision is Decision.STOP:
+        log.info("stopped after the error of step %d, by the coordinator's decision", step)
+    else:
         reason = "the agent connection was lost" if run.lost.is_set() else "no decision from the agent"
         log.error("%s within %.0fs; exiting", reason, run.config.reattempt_wait_s)
     return decision

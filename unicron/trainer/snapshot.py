@@ -1,9 +1,11 @@
 """In-memory snapshots of a rank's training state, kept on its node by the agent: the middle
 state source of a restarted rank, between a live peer and the persistent checkpoint.
 
-Every ``every`` iterations a rank copies its state (serialized in memory, which is the copy)
-and a background thread writes it, with its sha256, under the directory the agent gives it
-(a tmpfs such as /dev/shm by default: memory that outlives the trainer process)::
+Every ``every`` iterations a rank copies its state's tensors to host memory (on a GPU an
+asynchronous copy into pinned buffers, so the training thread only queues it); a background
+thread waits for the copy, serializes it and writes it, with its sha256, under the directory
+the agent gives it (a tmpfs such as /dev/shm by default: memory that outlives the trainer
+process)::
 
     <dir>/rank3/iter_00000042.snap     torch.save of {iteration, layout, shard, model, optimizer}
     <dir>/rank3/iter_00000042.sha256   written after the data; its presence makes it complete
@@ -17,6 +19,7 @@ the caller falls back to the checkpoint. Nothing here raises on a bad copy."""
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import io
 import logging
@@ -56,16 +59,19 @@ class SnapshotWriter:
 
     def after_iteration(self, trainer: Trainer) -> bool:
         """Snapshots ``trainer`` if its iteration is due and no write is in flight; returns
-        whether it started one."""
+        whether it started one. Only the copy of the state is made here; the next step may
+        change the trainer's tensors at once."""
         if self._every <= 0 or trainer.iteration % self._every or not self._busy.acquire(blocking=False):
             return False
         try:
-            data = _serialize(trainer)
+            payload, copied = _detached_payload(trainer)
         except Exception as exc:  # noqa: BLE001 - a snapshot is an optimization; training goes on
             self._busy.release()
             log.warning("snapshot at iteration %d not taken: %s", trainer.iteration, exc)
             return False
-        threading.Thread(target=self._write, args=(trainer.iteration, data), name="snapshot", daemon=True).start()
+        threading.Thread(
+            target=self._write, args=(trainer.iteration, payload, copied), name="snapshot", daemon=True
+        ).start()
         return True
 
     def wait(self, timeout_s: float = 30.0) -> None:
@@ -73,8 +79,13 @@ class SnapshotWriter:
         if self._busy.acquire(timeout=timeout_s):
             self._busy.release()
 
-    def _write(self, iteration: int, data: bytes) -> None:
+    def _write(self, iteration: int, payload: dict[str, Any], copied: torch.cuda.Event | None) -> None:
         try:
+            if copied is not None:
+                copied.synchronize()
+            buffer = io.BytesIO()
+            torch.save(payload, buffer)
+            data = buffer.getvalue()
             self._dir.mkdir(parents=True, exist_ok=True)
             snap, digest = _paths(self._dir, iteration)
             snap.write_bytes(data)
@@ -82,25 +93,48 @@ class SnapshotWriter:
             for old in sorted(_iterations(self._dir), reverse=True)[KEEP:]:
                 for path in _paths(self._dir, old):
                     path.unlink(missing_ok=True)
-        except OSError as exc:
+        except Exception as exc:  # noqa: BLE001 - a snapshot is an optimization; training goes on
             log.warning("snapshot at iteration %d not written: %s", iteration, exc)
         finally:
             self._busy.release()
 
 
-def _serialize(trainer: Trainer) -> bytes:
-    state = trainer.state_dict()
-    buffer = io.BytesIO()
-    torch.save(
+def _detached_payload(trainer: Trainer) -> tuple[dict[str, Any], torch.cuda.Event | None]:
+    """What a snapshot holds, with every tensor copied to host memory and every container
+    rebuilt, so that nothing in it is shared with the live trainer; and the CUDA event the
+    copies are done at (None on CPU, where they are done on return)."""
+    on_gpu = False
+
+    def detach(value: Any) -> Any:
+        nonlocal on_gpu
+        if isinstance(value, torch.Tensor):
+            value = value.detach()
+            if value.device.type == "cpu":
+                return value.clone()
+            on_gpu = True
+            host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+            return host.copy_(value, non_blocking=True)
+        if isinstance(value, dict):
+            return {k: detach(v) for k, v in value.items()}
+        if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple
+            return type(value)(*(detach(v) for v in value))
+        if isinstance(value, list | tuple):
+            return type(value)(detach(v) for v in value)
+        return copy.deepcopy(value)
+
+    payload = detach(
         {
             "iteration": trainer.iteration,
             "layout": checkpoint.layout_of(trainer).as_dict(),
             "shard": list(trainer.shard),
-            **checkpoint.state_parts(state),
-        },
-        buffer,
+            **checkpoint.state_parts(trainer.state_dict()),
+        }
     )
-    return buffer.getvalue()
+    copied = None
+    if on_gpu:
+        copied = torch.cuda.Event()
+        copied.record()
+    return payload, copied
 
 
 def _iterations(directory: Path) -> list[int]:
