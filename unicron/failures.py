@@ -1,4 +1,4 @@
-"""The failure taxonomy as data (DESIGN.md section 2): kind -> severity -> first action,
+"""The failure taxonomy as data (docs/architecture.md: Detection): kind -> severity -> first action,
 and a classifier for caught exceptions.
 
 Who uses what: trainers and agents observe (an exception's text, a health check) and report

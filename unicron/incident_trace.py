@@ -1,4 +1,4 @@
-"""One OpenTelemetry trace per failure incident (DESIGN.md section 5).
+"""One OpenTelemetry trace per failure incident (docs/architecture.md: Observability).
 
 The root span `unicron.incident` is named up front and emitted last: `new_incident_context()`
 picks its trace id and span id and returns them as a W3C traceparent string, which the

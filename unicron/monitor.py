@@ -1,4 +1,4 @@
-"""Online statistical monitoring of one job generation's training iterations (DESIGN.md section 2).
+"""Online statistical monitoring of one job generation's training iterations (docs/architecture.md: Detection).
 
 Everything is derived from the iteration reports trainers already send after each
 iteration, so detection costs the training loop no collective and no GPU work. The clock

@@ -1,4 +1,4 @@
-"""Node health checks (DESIGN.md section 2): local checks behind one small interface, NVML
+"""Node health checks (docs/architecture.md: Detection): local checks behind one small interface, NVML
 where GPUs exist (ECC counts, retired pages, NVLink errors, XID events), disk and host
 memory on every machine.
 

@@ -1,4 +1,4 @@
-"""What failures cost and how efficiently the cluster runs (DESIGN.md sections 3 and 5).
+"""What failures cost and how efficiently the cluster runs (docs/architecture.md: The cost model, Observability).
 
 Weighted achieved FLOP/s (WAF) of a job is its weight times the FLOP/s of its last
 iteration; the cluster's WAF is the sum. A failure costs WAF x seconds in three phases:

@@ -1,4 +1,4 @@
-"""The severity ladder (DESIGN.md section 2): which remedy an incident gets, given the
+"""The severity ladder (docs/architecture.md: Detection): which remedy an incident gets, given the
 remedies the job already had. Pure code, the clock passed in, tested by tables.
 
 SEV3 starts at reattempt in place, SEV2 at restart, SEV1 at reconfigure. A remedy applied

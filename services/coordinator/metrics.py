@@ -1,4 +1,4 @@
-"""The coordinator's OpenTelemetry metrics (DESIGN.md section 5): cluster and per-job WAF
+"""The coordinator's OpenTelemetry metrics (docs/architecture.md: Observability): cluster and per-job WAF
 as observable gauges read from a snapshot of the cluster, and what each incident cost.
 
 Like tracing (unicron/telemetry.py), metrics are exported over OTLP when

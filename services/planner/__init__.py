@@ -1,1 +1,1 @@
-"""The planner: sizes and places every job by the cost model of DESIGN.md section 3 (CP-SAT)."""
+"""The planner: sizes and places every job by the cost model (docs/architecture.md), with CP-SAT."""

@@ -1,4 +1,4 @@
-"""The planner's data model and cost model (DESIGN.md section 3), free of any solver or RPC code.
+"""The planner's data model and cost model (docs/architecture.md: The cost model), free of any solver or RPC code.
 
 A plan gives every job a size x (GPU slots) and a placement (slots per node). Its value is
 

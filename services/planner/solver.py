@@ -1,5 +1,5 @@
 """The planner's CP-SAT model: the size and placement of every job that maximize the objective
-of ``domain`` (DESIGN.md section 3), and ``plan_sizes``, the same for the size-only problem.
+of ``domain`` (docs/architecture.md: The cost model), and ``plan_sizes``, the same for the size-only problem.
 
 Data, model and solve are kept apart, as in OR-Tools' examples/python/line_balancing_sat.py:
 ``_build_data`` turns a request into scaled integer coefficients, ``_build_model`` states the

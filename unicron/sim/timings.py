@@ -47,7 +47,7 @@ DEFAULT_TRANSITION_S: dict[str, float] = {
     "resize": _planner.resize_s,
 }
 
-# The monitor's hang threshold: k x the running mean iteration time (DESIGN.md section 2).
+# The monitor's hang threshold: k x the running mean iteration time (docs/architecture.md: Detection).
 HANG_K = 3.0
 
 

@@ -1,4 +1,4 @@
-"""Moving a rank to a new process group without restarting it (DESIGN.md section 4).
+"""Moving a rank to a new process group without restarting it (docs/architecture.md: Transitions).
 
 The agent's ``reform`` answer (``AgentReform``: new generation, rank, world size and rendezvous)
 serves both a reattempt with the same members on a fresh rendezvous and a resize of the
