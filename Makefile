@@ -32,7 +32,7 @@ redis:
 	@scripts/ensure-redis.sh
 
 demo: gen redis
-	$(PY) -m unicron.demo
+	$(PY) -m unicron_dev.demo
 
 # A development CA, certificates and tokens in run/certs (see README, Security):
 # `make certs NODES=n1,n2 USERS=admin:admin,alice HOSTS=myhost`.

@@ -38,9 +38,9 @@ import psutil
 from bench.common import log, percentile, stamp_seconds, write_results
 from unicron.client import UnicronClient
 from unicron.faults import parse_fault
-from unicron.localcluster import LocalCluster, tiny_gpt
 from unicron.monitor import MonitorSettings
 from unicron.v1 import common_pb2 as pb
+from unicron_dev.localcluster import LocalCluster, tiny_gpt
 
 RESULTS = Path(__file__).resolve().parent / "results" / "detection.json"
 

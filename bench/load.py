@@ -38,8 +38,8 @@ import psutil
 
 from bench.common import log, percentile, write_results
 from unicron.client import UnicronClient
-from unicron.localcluster import ROOT, LocalCluster, tiny_gpt
 from unicron.v1 import common_pb2 as pb
+from unicron_dev.localcluster import ROOT, LocalCluster, tiny_gpt
 
 RESULTS = Path(__file__).resolve().parent / "results" / "load.json"
 HEARTBEAT_TIMEOUT_S = 3.0

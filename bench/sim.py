@@ -4,7 +4,7 @@ ratio to Unicron, the cost per incident by phase, and the wall time of the large
     python -m bench.sim [--quick] [--presets high-failure-128,meta-16k,scale-100k] [--seed S]
 
 The Unicron strategy runs the project's real ladder and CP-SAT planner in process for every
-failure (unicron/sim). Results go to bench/results/sim.json and bench/results/sim.png; a table
+failure (unicron_sim/). Results go to bench/results/sim.json and bench/results/sim.png; a table
 with PASS/FAIL per target goes to stdout. The exit status is 0 whatever the numbers: this is a
 measurement, not a test. See bench/README.md ("Simulator").
 """
@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import unicron.sim as sim
+import unicron_sim as sim
 from bench.common import log, write_results
-from unicron.sim import report, strategies, traces
+from unicron_sim import report, strategies, traces
 
 RESULTS = Path(__file__).resolve().parent / "results" / "sim.json"
 PLOT = RESULTS.with_suffix(".png")
@@ -37,7 +37,7 @@ NOTES = [
     "ratio_unicron_over: Unicron's accumulated WAF-seconds over the strategy's (above 1: Unicron trained more)",
     "per incident costs are in seconds of the cluster's failure-free WAF (detection, transition, sub-healthy)",
     "detection and transition times: bench/results/detection.json and transition.json p50 when present "
-    "(see 'timings'); the other strategies' numbers are documented models (unicron/sim/strategies.py)",
+    "(see 'timings'); the other strategies' numbers are documented models (unicron_sim/strategies.py)",
     "scale-100k's wall time is the Unicron strategy's alone (the real planner re-plans every node loss and return); "
     "its requests carry max_changed_jobs = number of jobs (never binding), which makes the planner skip its "
     "size-only DP hint (planner.dp_hint false)",

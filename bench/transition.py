@@ -46,9 +46,9 @@ from bench.detection import job_trainers
 from unicron import jobspec
 from unicron.client import ClientError, UnicronClient
 from unicron.faults import parse_fault
-from unicron.localcluster import LocalCluster, tiny_gpt
 from unicron.trainer.settings import trainer_env
 from unicron.v1 import common_pb2 as pb
+from unicron_dev.localcluster import LocalCluster, tiny_gpt
 
 RESULTS = Path(__file__).resolve().parent / "results" / "transition.json"
 
@@ -640,10 +640,10 @@ class Arrival:
 
 
 def _fake_agent_class() -> type:
-    """tests/trainer/harness.py's FakeAgent, timing every iteration report as it arrives
+    """unicron_dev/fake_agent.py's FakeAgent, timing every iteration report as it arrives
     (imported late: the pure parts and their tests do not need a gRPC server)."""
-    from tests.trainer.harness import FakeAgent
     from unicron.v1 import trainer_service_pb2 as tpb
+    from unicron_dev.fake_agent import FakeAgent
 
     class TimedAgent(FakeAgent):
         def __init__(self) -> None:
@@ -701,7 +701,8 @@ class BaselineSide:
     def _spawn(
         self, agent: Any, spec: pb.JobSpec, world: int, generation: int, checkpoint_dir: Path, work: Path
     ) -> list[subprocess.Popen[bytes]]:
-        from tests.trainer.harness import REPO_ROOT, free_port
+        from unicron.redisutil import free_port
+        from unicron_dev.localcluster import ROOT as REPO_ROOT
 
         port = free_port()
         procs = []

@@ -22,9 +22,9 @@ from unicron import failures, jobspec
 from unicron.client import DEFAULT_COORDINATOR, ClientError, UnicronClient
 from unicron.errors import InvalidArgument, UnicronError
 from unicron.faults import FAULT_NAMES, parse_fault
-from unicron.sim import cli as simulate_cli
 from unicron.v1 import common_pb2, job_service_pb2
 
+SIMULATE_HELP = "replay a failure trace over a modeled cluster under each recovery strategy"
 EXIT_USAGE = 2
 EXIT_FAILED = 1
 BAD_INPUT = {
@@ -300,7 +300,7 @@ def watch_job(client: UnicronClient, job_id: str, out: TextIO, as_json: bool) ->
     return 0 if result.final_state == common_pb2.JOB_STATE_SUCCEEDED else EXIT_FAILED
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(simulate: bool = False) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="unicron", description="Self-healing workload manager for LLM training.")
     parser.add_argument(
         "--coordinator",
@@ -333,7 +333,13 @@ def build_parser() -> argparse.ArgumentParser:
     inject.add_argument("job", help="job id or name")
     inject.add_argument("fault", help="what to inject, e.g. crash@5 or exception:ecc_error")
     inject.add_argument("--rank", type=int, default=0, help="rank that misbehaves (default 0)")
-    simulate_cli.add_parser(sub)
+    if simulate:
+        from unicron_sim import cli as simulate_cli
+
+        simulate_cli.add_parser(sub)
+    else:
+        # The simulator loads the planner and the solver: only `unicron simulate` pays for it.
+        sub.add_parser("simulate", help=SIMULATE_HELP, add_help=False)
     certs = sub.add_parser(
         "certs",
         help="create a development CA, certificates and tokens (not for production)",
@@ -372,6 +378,8 @@ def make_certs(args: argparse.Namespace, out: TextIO) -> int:
 
 def run(args: argparse.Namespace, out: TextIO) -> int:
     if args.command == "simulate":  # in process: no coordinator needed
+        from unicron_sim import cli as simulate_cli
+
         return simulate_cli.run(args, out)
     if args.command == "certs":
         return make_certs(args, out)
@@ -442,7 +450,8 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    words = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(simulate="simulate" in words).parse_args(words)
     try:
         return run(args, sys.stdout)
     except UnicronError as exc:

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import psutil
 
 from unicron.client import UnicronClient
-from unicron.localcluster import LocalCluster
+from unicron_dev.localcluster import LocalCluster
 
 
 def running(local: LocalCluster) -> Iterator[LocalCluster]:

@@ -17,8 +17,8 @@ import pytest
 
 from tests.e2e.conftest import running
 from unicron.client import ClientError, UnicronClient
-from unicron.localcluster import LocalCluster, tiny_gpt
 from unicron.v1 import common_pb2
+from unicron_dev.localcluster import LocalCluster, tiny_gpt
 
 pytestmark = pytest.mark.e2e
 

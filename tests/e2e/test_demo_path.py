@@ -18,8 +18,8 @@ import yaml
 
 from tests.e2e.conftest import running
 from unicron.client import UnicronClient
-from unicron.localcluster import ROOT, LocalCluster, gpt_program
 from unicron.v1 import common_pb2
+from unicron_dev.localcluster import ROOT, LocalCluster, gpt_program
 
 pytestmark = pytest.mark.e2e
 

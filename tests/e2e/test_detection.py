@@ -17,9 +17,9 @@ import pytest
 
 from tests.e2e.conftest import running
 from unicron.client import UnicronClient
-from unicron.localcluster import ROOT, LocalCluster, tiny_gpt
 from unicron.monitor import MonitorSettings
 from unicron.v1 import common_pb2
+from unicron_dev.localcluster import ROOT, LocalCluster, tiny_gpt
 
 pytestmark = pytest.mark.e2e
 

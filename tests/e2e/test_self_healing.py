@@ -24,8 +24,8 @@ from services.coordinator import decide
 from tests.e2e.conftest import running
 from unicron import jobspec
 from unicron.client import UnicronClient
-from unicron.localcluster import ROOT, LocalCluster, tiny_gpt
 from unicron.v1 import common_pb2
+from unicron_dev.localcluster import ROOT, LocalCluster, tiny_gpt
 
 pytestmark = pytest.mark.e2e
 

@@ -17,8 +17,8 @@ from services.coordinator.lease import EXIT_LEASE_LOST, FENCE_KEY, LEASE_KEY, Ho
 from tests.e2e.conftest import running
 from unicron import redisutil, rpc
 from unicron.client import ClientError, UnicronClient
-from unicron.localcluster import LocalCluster, tiny_gpt
 from unicron.v1 import common_pb2
+from unicron_dev.localcluster import LocalCluster, tiny_gpt
 
 pytestmark = pytest.mark.e2e
 

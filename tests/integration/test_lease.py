@@ -19,9 +19,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.coordinator.lease import FENCE_KEY, LEASE_KEY, Holder, Lease, LeaseKeeper, NotLeader, read_holder
 from services.coordinator.store import JobWrite, Store
 from unicron import rpc
-from unicron.localcluster import ROOT, tiny_gpt
 from unicron.redisutil import free_port
 from unicron.v1 import common_pb2, node_service_pb2
+from unicron_dev.localcluster import ROOT, tiny_gpt
 
 pytestmark = pytest.mark.integration
 

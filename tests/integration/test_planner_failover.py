@@ -13,9 +13,9 @@ import pytest
 
 from services.coordinator.planner_client import PlannerClient
 from unicron import rpc
-from unicron.localcluster import ROOT
 from unicron.redisutil import free_port
 from unicron.v1 import planner_service_pb2 as pb
+from unicron_dev.localcluster import ROOT
 
 pytestmark = pytest.mark.integration
 

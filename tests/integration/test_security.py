@@ -28,7 +28,6 @@ from tests.integration.conftest import FakeClock
 from tests.integration.test_job_api import snapshot, tiny_spec
 from unicron import certs, rpc
 from unicron.client import ClientError, UnicronClient
-from unicron.localcluster import ROOT
 from unicron.security import (
     TLS,
     ClientSecurity,
@@ -50,6 +49,7 @@ from unicron.v1 import (
     trainer_service_pb2,
     trainer_service_pb2_grpc,
 )
+from unicron_dev.localcluster import ROOT
 
 pytestmark = pytest.mark.integration
 

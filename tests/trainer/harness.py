@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 import os
 import queue
-import socket
 import subprocess
 import sys
 import threading
@@ -23,13 +22,16 @@ from google.protobuf import json_format
 
 from tests.trainer.gpt import trainer_configs
 from unicron import rpc
-from unicron.localcluster import gpt_program
+from unicron.redisutil import free_port
 from unicron.trainer.settings import trainer_env
 from unicron.v1 import common_pb2, trainer_service_pb2_grpc
 from unicron.v1 import trainer_service_pb2 as pb
+from unicron_dev.fake_agent import FakeAgent
+from unicron_dev.localcluster import ROOT as REPO_ROOT
+from unicron_dev.localcluster import gpt_program
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 RANK_TIMEOUT_S = 120
+__all__ = ["REPO_ROOT", "FakeAgent", "free_port"]  # what trainer tests import from here too
 
 
 def tiny_spec(iterations: int, checkpoint_interval: int = 0) -> common_pb2.JobSpec:
@@ -92,57 +94,6 @@ def reference_run(spec: common_pb2.JobSpec, store: Path) -> tuple[list[float], d
     finally:
         dist.destroy_process_group()
     return losses, params
-
-
-class FakeAgent(trainer_service_pb2_grpc.TrainerAgentServiceServicer):
-    """Welcomes every trainer, records what each rank sends, and answers an error report with
-    a stop when ``stop_on_error`` is set (else not at all: the rank gives up after its wait)."""
-
-    def __init__(self, stop_on_error: bool = False) -> None:
-        self.stop_on_error = stop_on_error
-        self.messages: dict[int, list[pb.ConnectRequest]] = defaultdict(list)
-        self._lock = threading.Lock()
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=rpc.SERVER_OPTIONS)
-        trainer_service_pb2_grpc.add_TrainerAgentServiceServicer_to_server(self, self._server)
-        self.address = f"127.0.0.1:{self._server.add_insecure_port('127.0.0.1:0')}"
-        self._server.start()
-
-    def stop(self) -> None:
-        self._server.stop(0.5).wait()
-
-    def Connect(self, request_iterator: Iterator[pb.ConnectRequest], context: grpc.ServicerContext) -> Any:
-        first = next(request_iterator)
-        rank = first.hello.rank
-        outbox: queue.Queue[pb.ConnectResponse | None] = queue.Queue()
-        outbox.put(pb.ConnectResponse(welcome=pb.AgentWelcome(node_id="fake")))
-
-        def read() -> None:
-            try:
-                for request in request_iterator:
-                    with self._lock:
-                        self.messages[rank].append(request)
-                    if request.HasField("error") and self.stop_on_error:
-                        outbox.put(pb.ConnectResponse(stop=pb.AgentStop(reason="test")))
-            except grpc.RpcError:
-                pass
-            outbox.put(None)
-
-        threading.Thread(target=read, daemon=True).start()
-        while True:
-            message = outbox.get()
-            if message is None:
-                return
-            yield message
-
-    def of(self, rank: int, kind: str) -> list[Any]:
-        with self._lock:
-            return [getattr(m, kind) for m in self.messages[rank] if m.WhichOneof("message") == kind]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

@@ -31,10 +31,10 @@ from tests.trainer.harness import (
     run_ranks,
     start_trainer,
 )
-from unicron.localcluster import gpt_program
 from unicron.trainer import checkpoint
 from unicron.trainer.settings import trainer_env
 from unicron.v1 import common_pb2
+from unicron_dev.localcluster import gpt_program
 
 ITERATIONS = 20
 # 4 layers of hidden 128 and a 1024-token vocabulary: 1.05M parameters.

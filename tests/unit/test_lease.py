@@ -7,7 +7,6 @@ import threading
 import pytest
 import redis
 
-from services.coordinator import lease as lease_mod
 from services.coordinator.lease import (
     Decision,
     Holder,
@@ -18,7 +17,7 @@ from services.coordinator.lease import (
     renew_interval,
     trusted_until,
 )
-from unicron import errors, localcluster, rpc
+from unicron import errors, rpc
 
 TTL = 3.0
 
@@ -77,10 +76,6 @@ def test_holder_decode(raw: bytes | str | None, expected: Holder | None) -> None
 def test_not_leader_is_unavailable() -> None:
     # UNAVAILABLE at the gRPC edge, so agents and clients retry (and reach the new leader).
     assert rpc.status_for(NotLeader("x")).name == "UNAVAILABLE"
-
-
-def test_localcluster_knows_the_lease_key() -> None:
-    assert localcluster.COORDINATOR_LEASE_KEY == lease_mod.LEASE_KEY
 
 
 # ---- the keeper, with a fake lease and a fake clock ------------------------------------------

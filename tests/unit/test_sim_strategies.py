@@ -9,9 +9,9 @@ import pytest
 
 from services.coordinator import ladder
 from services.planner import solver
-from unicron.sim import model, planning, runner, strategies, timings, traces
-from unicron.sim.engine import Sim
 from unicron.v1 import common_pb2 as pb
+from unicron_sim import model, planning, runner, strategies, timings, traces
+from unicron_sim.engine import Sim
 
 CLUSTER = model.workload(128)
 TIMINGS = timings.Timings()  # the documented defaults: tests do not depend on bench results

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-import unicron.sim as sim
+import unicron_sim as sim
 from unicron.errors import InvalidArgument
 from unicron.failures import TAXONOMY, kind_name
-from unicron.sim import runner, traces
 from unicron.v1 import common_pb2 as pb
+from unicron_sim import runner, traces
 
 
 def _big_trace(seed: int = 1) -> tuple[traces.TraceConfig, list[traces.FailureEvent]]:

@@ -16,7 +16,7 @@ import pytest
 
 from services.agent.spares import STATUS_FILE, SparePool
 from services.agent.supervisor import REGISTRY_FILE, Supervisor, WorkerExit, WorkerKey
-from unicron.localcluster import ROOT
+from unicron_dev.localcluster import ROOT
 
 TRAINER = [sys.executable, "-m", "services.trainer"]
 # Takes the handover as the real spare does, then prints what it became.

@@ -19,8 +19,8 @@ from unicron.cli import INCIDENT_HEADERS, follow, incident_row, print_job, state
 from unicron.client import ClientError, UnicronClient
 from unicron.errors import UnicronError
 from unicron.faults import parse_fault
-from unicron.localcluster import ROOT, LocalCluster
 from unicron.v1 import common_pb2
+from unicron_dev.localcluster import ROOT, LocalCluster
 
 
 def say(text: str) -> None:

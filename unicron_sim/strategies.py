@@ -80,12 +80,12 @@ from dataclasses import dataclass, field
 from services.coordinator import ladder
 from services.planner.domain import Transition
 from unicron.failures import kind_name
-from unicron.sim.engine import Incident, JobRun, Sim
-from unicron.sim.model import GPUS_PER_NODE
-from unicron.sim.planning import Planner, migration_shard
-from unicron.sim.timings import Timings
-from unicron.sim.traces import FailureEvent, is_hardware
 from unicron.v1 import common_pb2 as pb
+from unicron_sim.engine import Incident, JobRun, Sim
+from unicron_sim.model import GPUS_PER_NODE
+from unicron_sim.planning import Planner, migration_shard
+from unicron_sim.timings import Timings
+from unicron_sim.traces import FailureEvent, is_hardware
 
 # Kinds where no process dies: only a timeout (or Unicron's iteration monitor) notices them.
 HANG_KINDS = frozenset({pb.FAILURE_KIND_TASK_HANG, pb.FAILURE_KIND_COLLECTIVE_TIMEOUT})

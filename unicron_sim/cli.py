@@ -8,16 +8,17 @@ import json
 from pathlib import Path
 from typing import Any, TextIO
 
-import unicron.sim as sim
+import unicron_sim as sim
+from unicron.cli import SIMULATE_HELP
 from unicron.errors import InvalidArgument
-from unicron.sim import report, strategies, traces
+from unicron_sim import report, strategies, traces
 
 
 def add_parser(sub: Any) -> None:
     """Adds the `simulate` subcommand to the CLI's subparsers."""
     cmd = sub.add_parser(
         "simulate",
-        help="replay a failure trace over a modeled cluster under each recovery strategy",
+        help=SIMULATE_HELP,
         description="Presets: "
         + "; ".join(f"{p.name} ({p.description})" for p in traces.PRESETS.values())
         + ". Strategies: "

@@ -35,10 +35,10 @@ from services.coordinator import state as job_state
 from services.planner import server as planner_server
 from services.planner import solver
 from services.planner.domain import DEFAULT_DP_BANDWIDTH_BYTES_PER_S
-from unicron.sim.engine import JobRun, Sim
-from unicron.sim.model import GPUS_PER_NODE, SEQ_LENGTH, JobModel
 from unicron.v1 import common_pb2 as pb
 from unicron.v1 import planner_service_pb2
+from unicron_sim.engine import JobRun, Sim
+from unicron_sim.model import GPUS_PER_NODE, SEQ_LENGTH, JobModel
 
 SOLVED = (planner_service_pb2.SOLVE_STATUS_OPTIMAL, planner_service_pb2.SOLVE_STATUS_FEASIBLE)
 

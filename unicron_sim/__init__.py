@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from unicron.errors import InvalidArgument
-from unicron.sim import model, timings, traces
-from unicron.sim import strategies as strategy
-from unicron.sim.runner import RunResult, simulate
+from unicron_sim import model, timings, traces
+from unicron_sim import strategies as strategy
+from unicron_sim.runner import RunResult, simulate
 
 
 @dataclass(frozen=True)

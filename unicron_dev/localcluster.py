@@ -21,6 +21,7 @@ from pathlib import Path
 import psutil
 
 from services.agent.supervisor import REGISTRY_FILE
+from services.coordinator.lease import LEASE_KEY
 from unicron import jobspec, redisutil, rpc
 from unicron.certs import DevPKI, User, create_dev_pki
 from unicron.client import UnicronClient
@@ -30,8 +31,6 @@ from unicron.security import ClientSecurity, forget_client_security, load_tls, r
 from unicron.v1 import common_pb2
 
 ROOT = Path(__file__).resolve().parent.parent
-# services.coordinator.lease.LEASE_KEY; its value is "<fence> <token> <host>:<pid>@<bind>".
-COORDINATOR_LEASE_KEY = "unicron:coordinator:lease"
 
 
 GPT_ENTRY_POINT = "examples.gpt.train:main"
@@ -153,7 +152,7 @@ class LocalCluster:
         assert self.redis_url is not None
         client = redisutil.connect(self.redis_url)
         try:
-            raw = client.get(COORDINATOR_LEASE_KEY)
+            raw = client.get(LEASE_KEY)
         finally:
             client.close()
         if raw is None:

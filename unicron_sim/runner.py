@@ -7,10 +7,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from unicron.sim import strategies
-from unicron.sim.engine import Incident, Sim
-from unicron.sim.model import ClusterModel
-from unicron.sim.traces import FailureEvent
+from unicron_sim import strategies
+from unicron_sim.engine import Incident, Sim
+from unicron_sim.model import ClusterModel
+from unicron_sim.traces import FailureEvent
 
 
 @dataclass

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from unicron.sim.runner import RunResult
+from unicron_sim.runner import RunResult
 
 DAY_S = 86_400.0
 

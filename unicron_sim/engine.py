@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from services.coordinator import cost
-from unicron.sim.model import GPUS_PER_NODE, ClusterModel, JobModel
-from unicron.sim.traces import FailureEvent
 from unicron.v1 import common_pb2 as pb
+from unicron_sim.model import GPUS_PER_NODE, ClusterModel, JobModel
+from unicron_sim.traces import FailureEvent
 
 Callback = Callable[..., None]
 
