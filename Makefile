@@ -44,6 +44,7 @@ certs: gen
 
 test: gen redis
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	$(PY) -m mypy
 	$(PY) -m pytest -q -ra --durations=15
 
@@ -84,6 +85,7 @@ deploy-lock:
 
 lint: gen
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	$(PY) -m mypy
 
 fmt: $(STAMP)

@@ -10,7 +10,7 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TextIO
 
@@ -376,6 +376,97 @@ def make_certs(args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
+def _listing(
+    items: Sequence[Message], rows: list[list[str]], headers: list[str], args: argparse.Namespace, out: TextIO
+) -> int:
+    if args.json:
+        out.write(json.dumps([to_json(i) for i in items]) + "\n")
+    else:
+        table(rows, headers, out)
+    return 0
+
+
+def _one(item: Message, text: Callable[[], object], args: argparse.Namespace, out: TextIO) -> int:
+    out.write(json.dumps(to_json(item)) + "\n") if args.json else text()
+    return 0
+
+
+def _submit(client: UnicronClient, args: argparse.Namespace, out: TextIO) -> int:
+    job = client.submit(jobspec.normalized(jobspec.load_spec_file(args.spec)))
+    if args.json and not args.watch:
+        out.write(json.dumps(to_json(job)) + "\n")
+    elif not args.json:
+        out.write(f"submitted {job.job_id} ({job.spec.name})\n")
+    return watch_job(client, job.job_id, out, args.json) if args.watch else 0
+
+
+def _jobs(client: UnicronClient, args: argparse.Namespace, out: TextIO) -> int:
+    jobs = client.list_jobs()
+    return _listing(jobs, [job_row(j) for j in jobs], JOB_HEADERS, args, out)
+
+
+def _get(client: UnicronClient, args: argparse.Namespace, out: TextIO) -> int:
+    job = client.get(args.job)
+    return _one(job, lambda: print_job(job, out), args, out)
+
+
+def _cancel(client: UnicronClient, args: argparse.Namespace, out: TextIO) -> int:
+    job = client.cancel(args.job, args.reason)
+    return _one(job, lambda: out.write(f"cancelled {job.job_id}\n"), args, out)
+
+
+def _incidents(client: UnicronClient, args: argparse.Namespace, out: TextIO) -> int:
+    found = client.incidents(args.job)
+    return _listing(found, [incident_row(i) for i in found], INCIDENT_HEADERS, args, out)
+
+
+def _inject(client: UnicronClient, args: argparse.Namespace, out: TextIO) -> int:
+    if args.rank < 0:
+        raise InvalidArgument("rank", "must not be negative")
+    node = client.inject(args.job, parse_fault(args.fault, args.rank))
+    out.write(json.dumps({"node_id": node}) + "\n") if args.json else out.write(
+        f"sent {args.fault} for rank {args.rank} to {node}\n"
+    )
+    return 0
+
+
+def _cluster(client: UnicronClient, args: argparse.Namespace, out: TextIO) -> int:
+    cluster = client.cluster()
+    return _one(cluster, lambda: print_cluster(cluster, out), args, out)
+
+
+def _node_row(n: common_pb2.Node) -> list[str]:
+    return [
+        n.node_id,
+        node_state_name(n.state),
+        ago(n.state_since.ToNanoseconds()).removesuffix(" ago") if n.HasField("state_since") else "-",
+        f"{n.used_slots}/{n.slots}",
+        n.address,
+        n.failure_domain or "-",
+        ago(n.last_heartbeat.ToNanoseconds()),
+    ]
+
+
+def _nodes(client: UnicronClient, args: argparse.Namespace, out: TextIO) -> int:
+    nodes = client.nodes()
+    headers = ["NODE", "STATE", "FOR", "SLOTS USED", "ADDRESS", "DOMAIN", "HEARTBEAT"]
+    return _listing(nodes, [_node_row(n) for n in nodes], headers, args, out)
+
+
+# The commands that talk to a coordinator, each (client, args, out) -> exit code.
+COMMANDS: dict[str, Callable[[UnicronClient, argparse.Namespace, TextIO], int]] = {
+    "submit": _submit,
+    "jobs": _jobs,
+    "get": _get,
+    "watch": lambda client, args, out: watch_job(client, args.job, out, args.json),
+    "cancel": _cancel,
+    "incidents": _incidents,
+    "inject": _inject,
+    "cluster": _cluster,
+    "nodes": _nodes,
+}
+
+
 def run(args: argparse.Namespace, out: TextIO) -> int:
     if args.command == "simulate":  # in process: no coordinator needed
         from unicron_sim import cli as simulate_cli
@@ -384,69 +475,7 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
     if args.command == "certs":
         return make_certs(args, out)
     with UnicronClient(args.coordinator) as client:
-        if args.command == "submit":
-            job = client.submit(jobspec.normalized(jobspec.load_spec_file(args.spec)))
-            if args.json and not args.watch:
-                out.write(json.dumps(to_json(job)) + "\n")
-            elif not args.json:
-                out.write(f"submitted {job.job_id} ({job.spec.name})\n")
-            return watch_job(client, job.job_id, out, args.json) if args.watch else 0
-        if args.command == "jobs":
-            jobs = client.list_jobs()
-            if args.json:
-                out.write(json.dumps([to_json(j) for j in jobs]) + "\n")
-            else:
-                table([job_row(j) for j in jobs], JOB_HEADERS, out)
-            return 0
-        if args.command == "get":
-            job = client.get(args.job)
-            out.write(json.dumps(to_json(job)) + "\n") if args.json else print_job(job, out)
-            return 0
-        if args.command == "watch":
-            return watch_job(client, args.job, out, args.json)
-        if args.command == "cancel":
-            job = client.cancel(args.job, args.reason)
-            out.write(json.dumps(to_json(job)) + "\n") if args.json else out.write(f"cancelled {job.job_id}\n")
-            return 0
-        if args.command == "incidents":
-            found = client.incidents(args.job)
-            if args.json:
-                out.write(json.dumps([to_json(i) for i in found]) + "\n")
-            else:
-                table([incident_row(i) for i in found], INCIDENT_HEADERS, out)
-            return 0
-        if args.command == "inject":
-            if args.rank < 0:
-                raise InvalidArgument("rank", "must not be negative")
-            node = client.inject(args.job, parse_fault(args.fault, args.rank))
-            out.write(json.dumps({"node_id": node}) + "\n") if args.json else out.write(
-                f"sent {args.fault} for rank {args.rank} to {node}\n"
-            )
-            return 0
-        if args.command == "cluster":
-            cluster = client.cluster()
-            out.write(json.dumps(to_json(cluster)) + "\n") if args.json else print_cluster(cluster, out)
-            return 0
-        if args.command == "nodes":
-            nodes = client.nodes()
-            if args.json:
-                out.write(json.dumps([to_json(n) for n in nodes]) + "\n")
-            else:
-                rows = [
-                    [
-                        n.node_id,
-                        node_state_name(n.state),
-                        ago(n.state_since.ToNanoseconds()).removesuffix(" ago") if n.HasField("state_since") else "-",
-                        f"{n.used_slots}/{n.slots}",
-                        n.address,
-                        n.failure_domain or "-",
-                        ago(n.last_heartbeat.ToNanoseconds()),
-                    ]
-                    for n in nodes
-                ]
-                table(rows, ["NODE", "STATE", "FOR", "SLOTS USED", "ADDRESS", "DOMAIN", "HEARTBEAT"], out)
-            return 0
-    raise AssertionError(args.command)
+        return COMMANDS[args.command](client, args, out)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

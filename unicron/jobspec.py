@@ -45,28 +45,33 @@ def _fill(message: Message, data: Any, path: str) -> None:
             _fill_strings(getattr(message, field.name), value, where)
         elif field.type == FieldDescriptor.TYPE_MESSAGE:
             _fill(getattr(message, field.name), value, where)
-        elif field.type in _INTEGER_TYPES:
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise InvalidArgument(where, f"must be an integer, got {value!r}")
-            if value < 0:
-                raise InvalidArgument(where, f"must not be negative, got {value}")
-            if value >= 2**31:
-                raise InvalidArgument(where, f"is too large: {value}")
-            setattr(message, field.name, value)
-        elif field.type == FieldDescriptor.TYPE_DOUBLE:
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise InvalidArgument(where, f"must be a number, got {value!r}")
-            setattr(message, field.name, float(value))
-        elif field.type == FieldDescriptor.TYPE_BOOL:
-            if not isinstance(value, bool):
-                raise InvalidArgument(where, f"must be true or false, got {value!r}")
-            setattr(message, field.name, value)
-        elif field.type == FieldDescriptor.TYPE_STRING:
-            if not isinstance(value, str):
-                raise InvalidArgument(where, f"must be a string, got {value!r}")
-            setattr(message, field.name, value)
-        else:  # pragma: no cover - the spec has no other field types
-            raise InvalidArgument(where, "unsupported field type")
+        else:
+            setattr(message, field.name, _scalar(field.type, value, where))
+
+
+def _scalar(kind: int, value: Any, where: str) -> Any:
+    """``value`` as a scalar field of protobuf type ``kind``, checked."""
+    if kind in _INTEGER_TYPES:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise InvalidArgument(where, f"must be an integer, got {value!r}")
+        if value < 0:
+            raise InvalidArgument(where, f"must not be negative, got {value}")
+        if value >= 2**31:
+            raise InvalidArgument(where, f"is too large: {value}")
+        return value
+    if kind == FieldDescriptor.TYPE_DOUBLE:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise InvalidArgument(where, f"must be a number, got {value!r}")
+        return float(value)
+    if kind == FieldDescriptor.TYPE_BOOL:
+        if not isinstance(value, bool):
+            raise InvalidArgument(where, f"must be true or false, got {value!r}")
+        return value
+    if kind == FieldDescriptor.TYPE_STRING:
+        if not isinstance(value, str):
+            raise InvalidArgument(where, f"must be a string, got {value!r}")
+        return value
+    raise InvalidArgument(where, "unsupported field type")  # pragma: no cover - the spec has no others
 
 
 def _fill_strings(target: Any, data: Any, path: str) -> None:

@@ -85,6 +85,9 @@ def status_for(exc: errors.UnicronError) -> grpc.StatusCode:
     return grpc.StatusCode.UNKNOWN
 
 
+StatusOf = Callable[[BaseException], tuple[grpc.StatusCode, str]]
+
+
 def grpc_errors(method: F) -> F:
     """Servicer-method decorator: domain errors become their status code with the
     message as details; anything else is a bug, logged with its traceback, INTERNAL.
@@ -96,55 +99,60 @@ def grpc_errors(method: F) -> F:
         log.exception("unhandled error in %s", method.__qualname__)
         return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}"
 
-    def abort(context: grpc.ServicerContext, exc: BaseException) -> None:
-        context.abort(*status_of(exc))
-
     if inspect.isasyncgenfunction(method):
+        wrapped = _async_stream_wrapper(method, status_of)
+    elif inspect.iscoroutinefunction(method):
+        wrapped = _async_wrapper(method, status_of)
+    elif inspect.isgeneratorfunction(method):
+        wrapped = _stream_wrapper(method, status_of)
+    else:
+        wrapped = _wrapper(method, status_of)
+    return functools.wraps(method)(wrapped)  # type: ignore[return-value]
 
-        @functools.wraps(method)
-        async def async_stream_wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
-            try:
-                async for reply in method(self, request, context):
-                    yield reply
-            except grpc.aio.AbortError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - the edge of the server
-                await context.abort(*status_of(exc))
 
-        return async_stream_wrapper  # type: ignore[return-value]
+def _async_stream_wrapper(method: Callable[..., Any], status_of: StatusOf) -> Callable[..., Any]:
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            async for reply in method(self, request, context):
+                yield reply
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the edge of the server
+            await context.abort(*status_of(exc))
 
-    if inspect.iscoroutinefunction(method):
+    return wrapper
 
-        @functools.wraps(method)
-        async def async_wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
-            try:
-                return await method(self, request, context)
-            except grpc.aio.AbortError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - the edge of the server
-                await context.abort(*status_of(exc))
 
-        return async_wrapper  # type: ignore[return-value]
+def _async_wrapper(method: Callable[..., Any], status_of: StatusOf) -> Callable[..., Any]:
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await method(self, request, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the edge of the server
+            await context.abort(*status_of(exc))
 
-    if inspect.isgeneratorfunction(method):
+    return wrapper
 
-        @functools.wraps(method)
-        def stream_wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
-            try:
-                yield from method(self, request, context)
-            except Exception as exc:  # noqa: BLE001 - the edge of the server
-                abort(context, exc)
 
-        return stream_wrapper  # type: ignore[return-value]
+def _stream_wrapper(method: Callable[..., Any], status_of: StatusOf) -> Callable[..., Any]:
+    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            yield from method(self, request, context)
+        except Exception as exc:  # noqa: BLE001 - the edge of the server
+            context.abort(*status_of(exc))
 
-    @functools.wraps(method)
+    return wrapper
+
+
+def _wrapper(method: Callable[..., Any], status_of: StatusOf) -> Callable[..., Any]:
     def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
         try:
             return method(self, request, context)
         except Exception as exc:  # noqa: BLE001 - the edge of the server
-            abort(context, exc)
+            context.abort(*status_of(exc))
 
-    return wrapper  # type: ignore[return-value]
+    return wrapper
 
 
 class Server:

@@ -108,6 +108,15 @@ def _check_time(stamp: Timestamp, field: str) -> None:
         raise InvalidArgument(field, f"is not a valid time (seconds {stamp.seconds}, nanos {stamp.nanos})") from None
 
 
+def _check_report(index: int, report: node_service_pb2.IterationReport) -> None:
+    for name in ("seconds", "flops", "compute_seconds"):
+        value = getattr(report, name)
+        if not math.isfinite(value) or value < 0:
+            raise InvalidArgument(f"reports[{index}].{name}", f"must be a finite non-negative number, got {value}")
+    if report.iteration == 0:
+        raise InvalidArgument(f"reports[{index}].iteration", "iterations count from 1")
+
+
 def _last_line(text: str, limit: int = 300) -> str:
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
     return lines[-1][:limit] if lines else ""
@@ -369,12 +378,7 @@ class Coordinator:
         self.admit_report(node_id)
         jobs: dict[str, common_pb2.Job] = {}
         for i, report in enumerate(reports):
-            for name in ("seconds", "flops", "compute_seconds"):
-                value = getattr(report, name)
-                if not math.isfinite(value) or value < 0:
-                    raise InvalidArgument(f"reports[{i}].{name}", f"must be a finite non-negative number, got {value}")
-            if report.iteration == 0:
-                raise InvalidArgument(f"reports[{i}].iteration", "iterations count from 1")
+            _check_report(i, report)
             if report.job_id not in jobs:
                 jobs[report.job_id] = self.store.get_job(report.job_id)
         now = self.clock()

@@ -81,7 +81,7 @@ import heapq
 import itertools
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
@@ -308,12 +308,7 @@ def _build_model(data: _Data, *, with_cap: bool = True) -> _Model:
             if job.pinned:
                 for var in choices:
                     model.add(var == 0)
-    if data.capacity == "pool":
-        _add_pooled_capacity(data, m)
-    elif data.capacity == "typed":
-        _add_typed_capacity(data, m)
-    else:
-        _add_explicit_capacity(data, m)
+    _CAPACITY_MODELS.get(data.capacity, _add_explicit_capacity)(data, m)
     cap = data.request.max_changed_jobs
     if with_cap and cap is not None and changed_terms:
         model.add(sum(changed_terms) <= cap)
@@ -599,6 +594,13 @@ def _pack(data: _Data, own: Placement, pool: Mapping[str, int]) -> Placement | N
     return placement
 
 
+# How node capacity is modeled, by _Data.capacity ("explicit" otherwise).
+_CAPACITY_MODELS: dict[str, Callable[[_Data, _Model], None]] = {
+    "pool": _add_pooled_capacity,
+    "typed": _add_typed_capacity,
+}
+
+
 # --- greedy hint ----------------------------------------------------------------------------------
 
 
@@ -612,85 +614,124 @@ def _greedy(data: _Data, targets: Mapping[str, int] | None = None) -> Placement:
     With ``targets`` (job -> size, say the size-only optimum), a job is kept only at its target
     size, shrunk no further than it, and grown towards it (largest TP first) before the
     step-by-step growth fills what is left."""
-    horizon = data.horizon_s
-
-    def target(jd: _JobData) -> int | None:
-        return None if targets is None or jd.job.pinned else targets.get(jd.job.job_id)
-
-    placement: Placement = {jd.job.job_id: {} for jd in data.jobs}
-    free = _Free(data, placement)
-    cap = data.request.max_changed_jobs
-    changes = 0
-
-    def unchanged(jd: _JobData) -> bool:
-        return not jd.forced and not domain.is_changed(jd.job, placement[jd.job.job_id])
-
-    def assign(jd: _JobData, slots: dict[str, int]) -> None:
-        nonlocal changes
-        was = unchanged(jd)
-        placement[jd.job.job_id] = slots
-        if was and not unchanged(jd):
-            changes += 1
-
-    keepers = [jd for jd in data.jobs if jd.in_place]
-    keepers.sort(key=lambda jd: (not jd.job.pinned, -_per_slot(jd.job, jd.job.current_size)))
-    for jd in keepers:
-        job = jd.job
-        if target(jd) not in (None, job.current_size):
-            continue
-        if job.pinned or not job.preemptible or domain.job_value(job, job.current, horizon) > 0:
-            if all(free.free[free.index[n]] >= s for n, s in job.current.items()):
-                for n, s in job.current.items():
-                    free.take(n, s)
-                assign(jd, dict(job.current))
-    for jd in data.jobs:
-        job, tp = jd.job, jd.tp
-        if job.pinned or placement[job.job_id] or not jd.own:
-            continue
-        # Lost a node (or cannot keep for another reason): shrink onto the nodes it has left.
-        held = sum(min(job.current[n], free.free[free.index[n]]) // tp for n in jd.own)
-        limit = min(tp * held, target(jd) or 0) if target(jd) is not None else tp * held
-        best = max((x for x, v in jd.stay_value.items() if x <= limit and v > 0), default=0)
-        need, slots = best // tp, {}
-        for n in jd.own:
-            take = min(min(job.current[n], free.free[free.index[n]]) // tp, need)
-            if take:
-                slots[n] = take * tp
-                free.take(n, take * tp)
-                need -= take
-        if slots:
-            assign(jd, slots)
-    for jd in data.jobs:
-        job = jd.job
-        if job.preemptible or job.pinned or placement[job.job_id] or not jd.move_value:
-            continue
-        start = min(jd.move_value) // jd.tp
-        if start <= free.room(jd.tp):
-            slots = {}
-            _place(free, slots, jd.tp, start, jd.own)
-            assign(jd, slots)
-
+    greedy = _Greedy(data, targets)
+    greedy.keep()
+    greedy.shrink_onto_own_nodes()
+    greedy.start_non_preemptible()
     if targets is not None:
-        for jd in sorted(data.jobs, key=lambda jd: (-jd.tp, -(target(jd) or 0))):
-            want, now = target(jd), placement[jd.job.job_id]
-            size = sum(now.values())
-            if not want or want <= size or (cap is not None and changes >= cap and unchanged(jd)):
+        greedy.grow_to_targets()
+    greedy.grow_step_by_step()
+    return greedy.placement
+
+
+class _Greedy:
+    """The greedy plan as it is built: the placement so far, the free slots, and how many
+    jobs it has changed (against the cap)."""
+
+    def __init__(self, data: _Data, targets: Mapping[str, int] | None) -> None:
+        self.data, self.targets = data, targets
+        self.horizon = data.horizon_s
+        self.placement: Placement = {jd.job.job_id: {} for jd in data.jobs}
+        self.free = _Free(data, self.placement)
+        self.cap = data.request.max_changed_jobs
+        self.changes = 0
+
+    def target(self, jd: _JobData) -> int | None:
+        return None if self.targets is None or jd.job.pinned else self.targets.get(jd.job.job_id)
+
+    def unchanged(self, jd: _JobData) -> bool:
+        return not jd.forced and not domain.is_changed(jd.job, self.placement[jd.job.job_id])
+
+    def capped(self, jd: _JobData) -> bool:
+        """Whether changing ``jd`` (not changed yet) would pass the changed-jobs cap."""
+        return self.cap is not None and self.changes >= self.cap and self.unchanged(jd)
+
+    def assign(self, jd: _JobData, slots: dict[str, int]) -> None:
+        was = self.unchanged(jd)
+        self.placement[jd.job.job_id] = slots
+        if was and not self.unchanged(jd):
+            self.changes += 1
+
+    def keep(self) -> None:
+        free = self.free
+        keepers = [jd for jd in self.data.jobs if jd.in_place]
+        keepers.sort(key=lambda jd: (not jd.job.pinned, -_per_slot(jd.job, jd.job.current_size)))
+        for jd in keepers:
+            job = jd.job
+            if self.target(jd) not in (None, job.current_size):
                 continue
-            room = free.room(jd.tp)
+            if job.pinned or not job.preemptible or domain.job_value(job, job.current, self.horizon) > 0:
+                if all(free.free[free.index[n]] >= s for n, s in job.current.items()):
+                    for n, s in job.current.items():
+                        free.take(n, s)
+                    self.assign(jd, dict(job.current))
+
+    def shrink_onto_own_nodes(self) -> None:
+        """A job that lost a node (or cannot keep for another reason) shrinks onto the nodes
+        it has left."""
+        free = self.free
+        for jd in self.data.jobs:
+            job, tp = jd.job, jd.tp
+            if job.pinned or self.placement[job.job_id] or not jd.own:
+                continue
+            held = sum(min(job.current[n], free.free[free.index[n]]) // tp for n in jd.own)
+            target = self.target(jd)
+            limit = min(tp * held, target or 0) if target is not None else tp * held
+            best = max((x for x, v in jd.stay_value.items() if x <= limit and v > 0), default=0)
+            need, slots = best // tp, {}
+            for n in jd.own:
+                take = min(min(job.current[n], free.free[free.index[n]]) // tp, need)
+                if take:
+                    slots[n] = take * tp
+                    free.take(n, take * tp)
+                    need -= take
+            if slots:
+                self.assign(jd, slots)
+
+    def start_non_preemptible(self) -> None:
+        for jd in self.data.jobs:
+            job = jd.job
+            if job.preemptible or job.pinned or self.placement[job.job_id] or not jd.move_value:
+                continue
+            start = min(jd.move_value) // jd.tp
+            if start <= self.free.room(jd.tp):
+                slots: dict[str, int] = {}
+                _place(self.free, slots, jd.tp, start, jd.own)
+                self.assign(jd, slots)
+
+    def grow_to_targets(self) -> None:
+        for jd in sorted(self.data.jobs, key=lambda jd: (-jd.tp, -(self.target(jd) or 0))):
+            want, now = self.target(jd), self.placement[jd.job.job_id]
+            size = sum(now.values())
+            if not want or want <= size or self.capped(jd):
+                continue
+            room = self.free.room(jd.tp)
             fits = [x for x in jd.sizes if size < x <= want and (x - size) // jd.tp <= room]
             if fits:
                 slots = dict(now)
-                _place(free, slots, jd.tp, (fits[-1] - size) // jd.tp, jd.own)
-                assign(jd, slots)
+                _place(self.free, slots, jd.tp, (fits[-1] - size) // jd.tp, jd.own)
+                self.assign(jd, slots)
 
-    def best_step(jd: _JobData) -> tuple[float, int] | None:
+    def _grown_value(self, jd: _JobData, now: dict[str, int], groups: int) -> float:
+        """The value of ``jd`` grown by ``groups`` TP groups onto its own nodes, as _place
+        puts them there."""
+        grown = dict(now)
+        for n in jd.own:
+            take = min(groups, self.free.free[self.free.index[n]] // jd.tp)
+            if take:
+                grown[n] = grown.get(n, 0) + take * jd.tp
+                groups -= take
+        return domain.job_value(jd.job, grown, self.horizon)
+
+    def best_step(self, jd: _JobData) -> tuple[float, int] | None:
+        """The growth of ``jd`` with the best gain per added slot: (gain, new size)."""
         job, tp = jd.job, jd.tp
-        if job.pinned or (cap is not None and changes >= cap and unchanged(jd)):
+        if job.pinned or self.capped(jd):
             return None
-        now = placement[job.job_id]
+        now = self.placement[job.job_id]
         size = sum(now.values())
-        base = domain.job_value(job, now, horizon)
-        room, own_room = free.room(tp), sum(free.free[free.index[n]] // tp for n in jd.own)
+        base = domain.job_value(job, now, self.horizon)
+        room, own_room = self.free.room(tp), sum(self.free.free[self.free.index[n]] // tp for n in jd.own)
         stays = all(n in job.current for n in now)
         best: tuple[float, int] | None = None
         for x in jd.sizes:
@@ -699,44 +740,41 @@ def _greedy(data: _Data, targets: Mapping[str, int] | None = None) -> Placement:
             groups = (x - size) // tp
             if groups > room:
                 break
-            if stays and groups <= own_room:  # lands on its own nodes, as _place will put it
-                grown = dict(now)
-                for n in jd.own:
-                    take = min(groups, free.free[free.index[n]] // tp)
-                    if take:
-                        grown[n] = grown.get(n, 0) + take * tp
-                        groups -= take
-                value = domain.job_value(job, grown, horizon)
+            if stays and groups <= own_room:
+                value = self._grown_value(jd, now, groups)
             else:
-                value = domain.weighted_throughput(job, x) * (horizon - job.transition.seconds("migrate"))
+                value = domain.weighted_throughput(job, x) * (self.horizon - job.transition.seconds("migrate"))
             gain = (value - base) / (x - size)
             if gain > 0 and (best is None or gain > best[0]):
                 best = (gain, x)
         return best
 
-    heap: list[tuple[float, int, int]] = []
-    for i, jd in enumerate(data.jobs):
-        step = best_step(jd)
-        if step is not None:
-            heap.append((-step[0], i, step[1]))
-    heapq.heapify(heap)
-    while heap:
-        neg_gain, i, x = heapq.heappop(heap)
-        jd = data.jobs[i]
-        step = best_step(jd)
-        if step is None:
-            continue
-        if step != (-neg_gain, x):
-            heapq.heappush(heap, (-step[0], i, step[1]))
-            continue
-        slots = dict(placement[jd.job.job_id])
-        placed = _place(free, slots, jd.tp, (x - sum(slots.values())) // jd.tp, jd.own)
-        assert placed  # room() counted whole groups
-        assign(jd, slots)
-        step = best_step(jd)
-        if step is not None:
-            heapq.heappush(heap, (-step[0], i, step[1]))
-    return placement
+    def grow_step_by_step(self) -> None:
+        """Grows, one step at a time, the job with the best gain per added slot (a heap of the
+        jobs' best steps, each checked again when popped: another job's growth may have
+        changed it)."""
+        heap: list[tuple[float, int, int]] = []
+        for i, jd in enumerate(self.data.jobs):
+            step = self.best_step(jd)
+            if step is not None:
+                heap.append((-step[0], i, step[1]))
+        heapq.heapify(heap)
+        while heap:
+            neg_gain, i, x = heapq.heappop(heap)
+            jd = self.data.jobs[i]
+            step = self.best_step(jd)
+            if step is None:
+                continue
+            if step != (-neg_gain, x):
+                heapq.heappush(heap, (-step[0], i, step[1]))
+                continue
+            slots = dict(self.placement[jd.job.job_id])
+            placed = _place(self.free, slots, jd.tp, (x - sum(slots.values())) // jd.tp, jd.own)
+            assert placed  # room() counted whole groups
+            self.assign(jd, slots)
+            step = self.best_step(jd)
+            if step is not None:
+                heapq.heappush(heap, (-step[0], i, step[1]))
 
 
 # The size-only DP seeds a second greedy plan when its table (jobs x sizes x slots) is at most
@@ -855,6 +893,21 @@ def _plural_nodes(node_ids: list[str]) -> str:
     return f"{'node' if len(node_ids) == 1 else 'nodes'} {', '.join(node_ids)}"
 
 
+def _unplaced_reason(jd: _JobData, left: int, cap_reached: int | None) -> str:
+    """Why a job got no slots, given the slots ``left`` free for its TP size (``cap_reached``:
+    the changed-jobs cap when the plan used it up, else None)."""
+    job = jd.job
+    if job.pinned:
+        return "pinned while not running"
+    if left < jd.sizes[0]:
+        return f"needs at least {_slots_text(jd.sizes[0])}, only {left} left free"
+    if cap_reached is not None and not jd.forced:
+        return f"changed-jobs cap of {cap_reached} reached"
+    if not any(v > 0 for v in jd.move_value.values()):
+        return "not worth its transition time before the next expected failure"
+    return f"weight {job.weight:g} earns less per slot than the jobs given the slots"
+
+
 def _reasons(data: _Data, result: Mapping[str, dict[str, int]]) -> dict[str, str]:
     """A reason per job, from comparing its current and new placement."""
     used = dict.fromkeys(data.nodes, 0)
@@ -882,17 +935,7 @@ def _reasons(data: _Data, result: Mapping[str, dict[str, int]]) -> dict[str, str
         if new_size == 0:
             if tp not in left_by_tp:
                 left_by_tp[tp] = sum((n.slots - used[n.node_id]) // tp * tp for n in data.healthy)
-            left = left_by_tp[tp]
-            if job.pinned:
-                why = "pinned while not running"
-            elif left < jd.sizes[0]:
-                why = f"needs at least {_slots_text(jd.sizes[0])}, only {left} left free"
-            elif cap is not None and voluntary >= cap and not jd.forced:
-                why = f"changed-jobs cap of {cap} reached"
-            else:
-                why = f"weight {job.weight:g} earns less per slot than the jobs given the slots"
-                if not any(v > 0 for v in jd.move_value.values()):
-                    why = "not worth its transition time before the next expected failure"
+            why = _unplaced_reason(jd, left_by_tp[tp], cap if cap is not None and voluntary >= cap else None)
             if not cur:
                 reasons[job.job_id] = f"not started: {why}"
             else:

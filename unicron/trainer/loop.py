@@ -96,7 +96,6 @@ def train(run: Run, program: MegatronProgram) -> None:
     from unicron.trainer import checkpoint
     from unicron.trainer import reform as reforming
     from unicron.trainer import snapshot as snapshots
-    from unicron.trainer.engine import MegatronTrainer
 
     # What the imports created lives as long as the process: out of the garbage collector's
     # sight, a reform's full collection (which frees the old process groups, see
@@ -108,23 +107,7 @@ def train(run: Run, program: MegatronProgram) -> None:
         torch.cuda.set_device(cuda_device(torch.cuda.device_count(), run.rank))
     training = training_of(spec)
     try:
-        state_from_peer = join_first_group(run, "nccl" if use_cuda else "gloo")
-        # MegatronTrainer enters the Megatron CPU shim (megatron_cpu.cpu_mode) around its own calls.
-        trainer = MegatronTrainer(
-            program,
-            training,
-            device="cuda" if use_cuda else "cpu",
-            timeout=timedelta(seconds=config.collective_timeout_s),
-        )
-        if run.injector.enabled:
-            trainer.grad_sync_hook = run.injector.in_grad_sync
-        log.info("model ready", extra={"rank": run.rank, "world_size": run.world_size})
-        if state_from_peer:
-            restored = reforming.receive_state(trainer, config.checkpoint_dir, config.snapshot_dir)
-        else:
-            restored = snapshots.restore_nearest(trainer, config.checkpoint_dir, config.snapshot_dir)
-        run.iteration = trainer.iteration
-        run.source = (restored.source, restored.iteration)
+        trainer = _first_trainer(run, program, training, use_cuda)
         interval = training.checkpoint_interval
         every = config.snapshot_interval if config.snapshot_dir else 0
         writer = snapshots.SnapshotWriter(config.snapshot_dir, run.rank, every)
@@ -199,6 +182,34 @@ def train(run: Run, program: MegatronProgram) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _first_trainer(run: Run, program: MegatronProgram, training: Training, use_cuda: bool) -> MegatronTrainer:
+    """This process's trainer in its first group, with the state it starts from (a peer's, a
+    snapshot, the checkpoint, or fresh) loaded and recorded in ``run``."""
+    from unicron.trainer import reform as reforming
+    from unicron.trainer import snapshot as snapshots
+    from unicron.trainer.engine import MegatronTrainer
+
+    config = run.config
+    state_from_peer = join_first_group(run, "nccl" if use_cuda else "gloo")
+    # MegatronTrainer enters the Megatron CPU shim (megatron_cpu.cpu_mode) around its own calls.
+    trainer = MegatronTrainer(
+        program,
+        training,
+        device="cuda" if use_cuda else "cpu",
+        timeout=timedelta(seconds=config.collective_timeout_s),
+    )
+    if run.injector.enabled:
+        trainer.grad_sync_hook = run.injector.in_grad_sync
+    logging.getLogger("trainer").info("model ready", extra={"rank": run.rank, "world_size": run.world_size})
+    if state_from_peer:
+        restored = reforming.receive_state(trainer, config.checkpoint_dir, config.snapshot_dir)
+    else:
+        restored = snapshots.restore_nearest(trainer, config.checkpoint_dir, config.snapshot_dir)
+    run.iteration = trainer.iteration
+    run.source = (restored.source, restored.iteration)
+    return trainer
 
 
 def join_first_group(run: Run, backend: str) -> bool:
