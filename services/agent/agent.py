@@ -162,6 +162,9 @@ class Agent:
         self._heartbeat_s = 1.0
         self._command_cursor = ""
         self._reports: queue.Queue[pb.IterationReport | pb.ReportWorkerExitRequest] = queue.Queue()
+        # Failure and fault reports, sent in order by their own thread: the threads that find
+        # them (a trainer link's reader, above all) must not wait out a coordinator outage.
+        self._urgent: queue.Queue[tuple[str, Callable[[], object]]] = queue.Queue()
         self._errors: dict[WorkerKey, str] = {}
         self._monitors: dict[tuple[str, int], JobMonitor] = {}
         self._monitors_lock = threading.Lock()
@@ -215,6 +218,7 @@ class Agent:
             (self._heartbeat_loop, "heartbeat"),
             (self._command_loop, "commands"),
             (self._report_loop, "reports"),
+            (self._urgent_loop, "urgent-reports"),
         ]
         if self.settings.monitoring:
             loops.append((self._monitor_loop, "monitor"))
@@ -358,6 +362,18 @@ class Agent:
                 elif not self._stop.is_set():
                     log.warning("command stream broken, reconnecting", extra={"code": exc.code().name})
             self._stop.wait(next(delays))
+
+    def _urgent_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                what, call = self._urgent.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            self._send(what, call)
+
+    def _send_soon(self, what: str, call: Callable[[], object]) -> None:
+        """Queues a report for the urgent-reports thread (at once, in order, retried there)."""
+        self._urgent.put((what, call))
 
     def _report_loop(self) -> None:
         """Sends iteration reports in batches and clean exits in order with them: a job's
@@ -748,7 +764,7 @@ class Agent:
         request = pb.ReportFaultInjectedRequest(
             node_id=self.settings.node_id, job_id=key.job_id, fault=fired.fault, injected=fired.injected
         )
-        self._send("fault report", lambda: self._stub.ReportFaultInjected(request, timeout=RPC_TIMEOUT_S))
+        self._send_soon("fault report", lambda: self._stub.ReportFaultInjected(request, timeout=RPC_TIMEOUT_S))
 
     def _report_finding(self, finding: Finding) -> None:
         report = common_pb2.FailureReport(
@@ -780,7 +796,7 @@ class Agent:
     def _report(self, report: common_pb2.FailureReport) -> None:
         # Only the kind: the coordinator alone turns a kind into severity and remedy.
         request = pb.ReportFailureRequest(node_id=self.settings.node_id, report=report)
-        self._send("failure report", lambda: self._stub.ReportFailure(request, timeout=RPC_TIMEOUT_S))
+        self._send_soon("failure report", lambda: self._stub.ReportFailure(request, timeout=RPC_TIMEOUT_S))
 
     def _capture_stacks(self, job_id: str) -> str:
         """Stack traces of a hung job's local trainers, taken before anyone acts on the hang

@@ -195,3 +195,17 @@ def test_a_job_for_another_image_is_refused_with_the_reason(control_plane: Contr
     with pytest.raises(OSError, match=r"program\.image is 'team/llm:7', but this node runs no named image"):
         agent._start_workers(start)
     assert not agent.supervisor.running(job.job_id)
+
+
+def test_a_trainer_error_does_not_wait_for_an_unreachable_coordinator(tmp_path: Path) -> None:
+    # The link's reader thread hands the report over and goes on reading that trainer; the
+    # urgent-reports thread retries it until the coordinator is back.
+    settings = AgentSettings(node_id="n1", slots=1, failure_domain="", work_dir=tmp_path)
+    lonely = Agent(settings, "127.0.0.1:1")
+    error = trainer_service_pb2.TrainerError(kind=common_pb2.FAILURE_KIND_SOFTWARE_ERROR, message="ValueError: x")
+    start = time.monotonic()
+    lonely._trainer_error(WorkerKey("job-1", 1, 0), error)
+    assert time.monotonic() - start < 1.0
+    what, _ = lonely._urgent.get_nowait()
+    assert what == "failure report"
+    lonely.stop()
