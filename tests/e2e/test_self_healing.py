@@ -102,6 +102,18 @@ def newest_incident(client: UnicronClient, name: str, after: set[str]) -> common
     return fresh[-1]
 
 
+def healed(client: UnicronClient, name: str, incident: common_pb2.Incident, timeout_s: float = 120) -> common_pb2.Job:
+    """Waits until ``incident``'s remedy brought training back (the incident is resumed), then
+    for two more iterations; returns the job. Progress alone would not do: the agents batch
+    iteration reports, so iterations from before the failure can still arrive after it."""
+    job_id = client.get(name).job_id
+    deadline = time.monotonic() + timeout_s
+    while not next(i for i in client.incidents(job_id) if i.incident_id == incident.incident_id).HasField("resumed"):
+        assert time.monotonic() < deadline, f"{name}: incident {incident.incident_id} never resumed"
+        time.sleep(0.2)
+    return trains_on(client, name, timeout_s)
+
+
 def incident_ids(client: UnicronClient, name: str) -> set[str]:
     return {i.incident_id for i in client.incidents(client.get(name).job_id)}
 
@@ -152,7 +164,7 @@ def test_a_killed_trainer_is_restarted_and_training_goes_on(cluster: LocalCluste
         assert len(victims) == 1
         victims[0].send_signal(signal.SIGKILL)
         incident = newest_incident(client, LIGHT, seen)
-        trains_on(client, LIGHT)
+        healed(client, LIGHT, incident)
         after = wait_for(
             client, LIGHT, lambda j: j.progress.iteration > before.progress.iteration, "did not get past the crash"
         )
@@ -174,7 +186,7 @@ def test_a_sev3_fault_is_reattempted_in_place(cluster: LocalCluster) -> None:
         seen = incident_ids(client, HEAVY)
         inject(cluster, HEAVY, "exception:collective_timeout", rank=1)
         incident = newest_incident(client, HEAVY, seen)
-        after = trains_on(client, HEAVY)
+        after = healed(client, HEAVY, incident)
         incident = next(i for i in client.incidents(after.job_id) if i.incident_id == incident.incident_id)
     assert incident.kind == common_pb2.FAILURE_KIND_COLLECTIVE_TIMEOUT
     assert incident.remedy == common_pb2.REMEDY_REATTEMPT and incident.HasField("resumed")
@@ -199,7 +211,7 @@ def test_a_rank_with_an_error_of_its_own_is_replaced_and_takes_a_live_peers_stat
         seen = incident_ids(client, HEAVY)
         inject(cluster, HEAVY, "exception:software_error", rank=1)
         incident = newest_incident(client, HEAVY, seen)
-        after = trains_on(client, HEAVY)
+        after = healed(client, HEAVY, incident)
         incident = next(i for i in client.incidents(after.job_id) if i.incident_id == incident.incident_id)
     assert incident.kind == common_pb2.FAILURE_KIND_SOFTWARE_ERROR and incident.severity == common_pb2.SEVERITY_SEV2
     assert incident.remedy == common_pb2.REMEDY_RESTART and incident.HasField("resumed")
