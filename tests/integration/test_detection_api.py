@@ -111,8 +111,12 @@ def test_bad_progress_is_rejected_whole(control_plane: ControlPlane, field: str,
 def test_a_flood_of_reports_is_rate_limited(control_plane: ControlPlane) -> None:
     job, _ = scheduled_job(control_plane)
     stub = control_plane.node_stub()
-    codes = []
-    for i in range(400):
+    codes: list[str] = []
+    # Until refused (at most 5,000 calls): the limit is a rate, and on a loaded machine a
+    # fixed count of calls can take long enough for the bucket to refill.
+    for i in range(5000):
+        if codes and codes[-1] == "RESOURCE_EXHAUSTED":
+            break
         request = node_service_pb2.ReportProgressRequest(
             node_id="n2",
             reports=[
