@@ -26,8 +26,8 @@ from services.coordinator.ladder import LadderPolicy
 from services.coordinator.lease import DEFAULT_TTL_S, EXIT_LEASE_LOST, Lease, LeaseKeeper, lease_client
 from services.coordinator.metrics import CoordinatorMetrics, setup_metrics
 from services.coordinator.planner_client import PlannerClient
+from services.coordinator.redis_store import RedisStore
 from services.coordinator.server import serve
-from services.coordinator.store import Store
 from unicron import redisutil, rpc, timeouts
 from unicron.config import require
 from unicron.errors import UnicronError
@@ -113,7 +113,7 @@ def setup(
     """Adds the servicers to the server; returns what starts the reconcile loop. With a
     lease, every state-changing write is fenced by it."""
     coordinator = Coordinator(
-        Store(redisutil.connect(config.redis_url), lease=lease),
+        RedisStore(redisutil.connect(config.redis_url), lease=lease),
         PlannerClient(config.planners, security=config.client()),
         Settings(
             heartbeat_interval_s=config.heartbeat_interval_s,

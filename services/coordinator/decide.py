@@ -325,3 +325,10 @@ def unused_rendezvous_port(
         if job.state in state.ACTIVE and job.assignment.master_addr == master_addr
     } | {exclude}
     return next((port for port in ports if port not in taken), None)
+
+
+def pending_remedy(job: common_pb2.Job) -> common_pb2.RemedyAttempt | None:
+    """The job's last remedy while it has not brought training back."""
+    if job.remedies and not job.remedies[-1].HasField("resumed"):
+        return job.remedies[-1]
+    return None

@@ -7,6 +7,7 @@ import itertools
 import logging
 import threading
 from collections.abc import Sequence
+from typing import Protocol
 
 import grpc
 
@@ -19,6 +20,13 @@ from unicron.v1 import planner_service_pb2, planner_service_pb2_grpc
 log = logging.getLogger(__name__)
 
 FAILOVER_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+class Planner(Protocol):
+    """What the coordinator needs of a planner: PlannerClient over gRPC, or a planner in
+    the same process in unit tests."""
+
+    def plan(self, request: planner_service_pb2.PlanRequest) -> planner_service_pb2.PlanResponse: ...
 
 
 class PlannerClient:

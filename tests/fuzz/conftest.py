@@ -20,8 +20,8 @@ from services.agent.agent import serve as serve_agent
 from services.coordinator.coordinator import Coordinator, Settings
 from services.coordinator.lease import FENCE_KEY, LEASE_KEY, Lease, LeaseKeeper, lease_client
 from services.coordinator.planner_client import PlannerClient
+from services.coordinator.redis_store import RedisStore
 from services.coordinator.server import serve
-from services.coordinator.store import Store
 from tests.fuzz import harness
 from tests.integration.conftest import FakeClock, start_planner
 from tests.integration.test_job_api import tiny_spec
@@ -84,7 +84,7 @@ def start_plane(url: str) -> Plane:
     keeper.start()
     planners = [start_planner(), start_planner()]
     coordinator = Coordinator(
-        Store(client, lease=lease),
+        RedisStore(client, lease=lease),
         PlannerClient([p.address for p in planners], timeout_s=10),
         Settings(heartbeat_timeout_s=3.0),
         clock=FakeClock(),
@@ -269,7 +269,7 @@ def agent_target(redis_server: LocalRedis, tmp_path_factory: pytest.TempPathFact
     )
     agent = Agent(settings, plane.address)
     failures = ForwardFailures()
-    agent_log = logging.getLogger("services.agent.agent")
+    agent_log = logging.getLogger("services.agent")  # its client logs "could not send"
     agent_log.addHandler(failures)
     server = rpc.Server(bind="127.0.0.1:0", max_workers=8, grace_s=0.5)
     serve_agent(server, agent)

@@ -11,8 +11,8 @@ import redis
 
 from services.coordinator.coordinator import Coordinator, Settings
 from services.coordinator.planner_client import PlannerClient
+from services.coordinator.redis_store import RedisStore
 from services.coordinator.server import serve
-from services.coordinator.store import Store
 from services.planner.server import Limits, PlannerServicer
 from unicron import rpc
 from unicron.client import UnicronClient
@@ -73,7 +73,7 @@ def control_plane(redis_client: redis.Redis, clock: FakeClock) -> Iterator[Contr
     """Coordinator (reconcile loop not started: tests step it) and two planner replicas."""
     planners = [start_planner(), start_planner()]
     coordinator = Coordinator(
-        Store(redis_client),
+        RedisStore(redis_client),
         PlannerClient([p.address for p in planners], timeout_s=10),
         Settings(heartbeat_timeout_s=3.0),
         clock=clock,

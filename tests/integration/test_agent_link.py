@@ -144,7 +144,7 @@ def test_a_trainer_reformed_before_it_connected_gets_the_reform_with_its_welcome
         assignment = common_pb2.Assignment()
         assignment.CopyFrom(started)
         assignment.generation, assignment.master_port = generation, started.master_port + generation
-        agent._reform(
+        agent.executor.reform(
             node_service_pb2.Reform(
                 job_id=job.job_id,
                 from_generation=generation - 1,
@@ -193,7 +193,7 @@ def test_a_job_for_another_image_is_refused_with_the_reason(control_plane: Contr
     start = node_service_pb2.StartWorkers(job_id=job.job_id, spec=spec, assignment=common_pb2.Assignment(generation=1))
     start.assignment.workers.add(node_id="n1", ranks=[0])
     with pytest.raises(OSError, match=r"program\.image is 'team/llm:7', but this node runs no named image"):
-        agent._start_workers(start)
+        agent.executor.start_workers(start)
     assert not agent.supervisor.running(job.job_id)
 
 
@@ -206,6 +206,5 @@ def test_a_trainer_error_does_not_wait_for_an_unreachable_coordinator(tmp_path: 
     start = time.monotonic()
     lonely._trainer_error(WorkerKey("job-1", 1, 0), error)
     assert time.monotonic() - start < 1.0
-    what, _ = lonely._urgent.get_nowait()
-    assert what == "failure report"
+    assert lonely.client.urgent_backlog() == ["failure report"]
     lonely.stop()

@@ -13,7 +13,7 @@ import pytest
 from services.coordinator import decide
 from services.coordinator.coordinator import Coordinator, Settings
 from services.coordinator.planner_client import PlannerClient
-from services.coordinator.store import Store
+from services.coordinator.redis_store import RedisStore
 from tests.integration.conftest import ControlPlane, FakeClock, start_planner
 from tests.integration.test_scheduling import commands_for, exit_report, report_exit, report_iteration, scheduled_job
 from unicron import redisutil
@@ -123,7 +123,7 @@ def test_a_killed_redis_comes_back_with_everything(tmp_path: Path, clock: FakeCl
     planner = start_planner()
     try:
         client = redisutil.connect(local.url)
-        coordinator = Coordinator(Store(client), PlannerClient([planner.address]), Settings(), clock=clock)
+        coordinator = Coordinator(RedisStore(client), PlannerClient([planner.address]), Settings(), clock=clock)
         coordinator.register_node("n1", "127.0.0.1:1", 2, "")
         spec = jobs_spec()
         job = coordinator.submit(spec)
@@ -144,7 +144,7 @@ def test_a_killed_redis_comes_back_with_everything(tmp_path: Path, clock: FakeCl
         local.kill()
         local = redisutil.LocalRedis(tmp_path / "redis", port=local.port).start()
         client = redisutil.connect(local.url)
-        restarted = Coordinator(Store(client), PlannerClient([planner.address]), Settings(), clock=clock)
+        restarted = Coordinator(RedisStore(client), PlannerClient([planner.address]), Settings(), clock=clock)
         after = restarted.get(job.job_id)
         assert after == before
         assert restarted.list_incidents(job.job_id) == incidents_before

@@ -17,7 +17,8 @@ import redis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.coordinator.lease import FENCE_KEY, LEASE_KEY, Holder, Lease, LeaseKeeper, NotLeader, read_holder
-from services.coordinator.store import JobWrite, Store
+from services.coordinator.redis_store import RedisStore
+from services.coordinator.store import JobWrite
 from unicron import rpc
 from unicron.redisutil import free_port
 from unicron.v1 import common_pb2, node_service_pb2
@@ -123,10 +124,10 @@ def bump(job: common_pb2.Job) -> JobWrite:
     return JobWrite([common_pb2.JobEvent(job_id=job.job_id, message="bumped")], [("node-a", command)])
 
 
-def fenced_store(client: redis.Redis) -> tuple[Store, Lease]:
+def fenced_store(client: redis.Redis) -> tuple[RedisStore, Lease]:
     lease = new_lease(client, "me")
     assert lease.try_acquire()
-    return Store(client, lease=lease), lease
+    return RedisStore(client, lease=lease), lease
 
 
 def test_the_leader_writes_as_before(redis_client: redis.Redis) -> None:
@@ -144,7 +145,7 @@ def test_the_leader_writes_as_before(redis_client: redis.Redis) -> None:
     assert stored is not None and stored.summary == "edited"
 
 
-FencedWrite = Callable[[Store], object]
+FencedWrite = Callable[[RedisStore], object]
 WRITES: dict[str, FencedWrite] = {
     "create_job": lambda s: s.create_job(*new_job("second")),
     "update_job": lambda s: s.update_job("job-first", bump),
@@ -217,7 +218,7 @@ def test_renewals_do_not_abort_writes(redis_client: redis.Redis) -> None:
 
 def test_a_store_without_a_lease_is_not_fenced(redis_client: redis.Redis) -> None:
     steal(redis_client)
-    store = Store(redis_client)
+    store = RedisStore(redis_client)
     store.create_job(*new_job("first"))
     assert store.update_job("job-first", bump).version == 2
 

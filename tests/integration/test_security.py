@@ -20,8 +20,8 @@ from services.agent.supervisor import WorkerKey
 from services.agent.trainer_link import LinkHandlers, TrainerLink
 from services.coordinator.coordinator import Coordinator, Settings
 from services.coordinator.planner_client import PlannerClient
+from services.coordinator.redis_store import RedisStore
 from services.coordinator.server import serve
-from services.coordinator.store import Store
 from services.planner.server import Limits as PlannerLimits
 from services.planner.server import PlannerServicer
 from tests.integration.conftest import FakeClock
@@ -122,7 +122,7 @@ def make_plane(pki: certs.DevPKI, redis_client: redis.Redis, limits: Limits | No
     planner.start()
     coordinator_tls = ClientSecurity(leaf_tls(pki, pki.services["coordinator"]))
     coordinator = Coordinator(
-        Store(redis_client),
+        RedisStore(redis_client),
         PlannerClient([planner.address], timeout_s=10, security=coordinator_tls),
         Settings(heartbeat_timeout_s=3.0),
         clock=FakeClock(),

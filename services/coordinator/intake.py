@@ -1,0 +1,92 @@
+"""Intake: what a failure report does once it is recorded in its incident. Pure rules, the
+clock passed in; `healing.Healer` carries out what they say.
+
+A report joins the incident open under its key or opens one (`merge_update`); then the
+incident is answered now (RESPOND: the ladder picks a remedy), later (HOLD: a network error
+waits a moment for the report that explains it) or not at all (IGNORE)."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from services.coordinator import incidents, state
+from services.coordinator.store import new_incident_id
+from unicron import incident_trace as trace
+from unicron.v1 import common_pb2
+
+
+class Route(enum.Enum):
+    RESPOND = "respond"
+    HOLD = "hold"
+    IGNORE = "ignore"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    route: Route
+    reason: str
+
+
+class NoOpenIncident(Exception):
+    """Raised by `merge_update` when the report may only join an open incident and none is."""
+
+
+def route(incident: common_pb2.Incident, created: bool, world_size: int) -> Verdict:
+    """What to do with an incident a report just joined (`created`: the report opened it).
+    `world_size`: its job's ranks (0 for a node's own incident)."""
+    if incident.kind == common_pb2.FAILURE_KIND_STRAGGLER:
+        return Verdict(Route.IGNORE, "a performance report: the planner may route around it, nothing to heal")
+    undecided = bool(incident.job_id) and incident.remedy == common_pb2.REMEDY_UNSPECIFIED
+    if undecided and incidents.holds(incident.kind) and not incidents.accounts_for_all(incident, world_size):
+        # A network error is often how a peer's death looks from outside, and a death is
+        # best answered once the peers said they wait (then only the dead rank restarts).
+        return Verdict(Route.HOLD, f"waiting {incidents.DECISION_HOLD_S:g}s for every rank to be accounted for")
+    if created:
+        return Verdict(Route.RESPOND, "a new incident")
+    if undecided:
+        return Verdict(Route.RESPOND, "every rank is accounted for")
+    if incident.remedy == common_pb2.REMEDY_REATTEMPT and incidents.needs_heavier_remedy(incident):
+        return Verdict(Route.RESPOND, "later evidence shows the reattempt cannot work")
+    return Verdict(Route.IGNORE, "joined an incident whose remedy is under way")
+
+
+def hold_is_over(incident: common_pb2.Incident, now: float) -> bool:
+    """Whether a held incident is due for its decision (also one a restarted coordinator
+    finds undecided in the store)."""
+    return (
+        bool(incident.job_id)
+        and incident.remedy == common_pb2.REMEDY_UNSPECIFIED
+        and incidents.holds(incident.kind)
+        and now - incident.detected.ToNanoseconds() / 1e9 >= incidents.DECISION_HOLD_S
+        and incidents.is_open(incident, now)
+    )
+
+
+def may_open(job: common_pb2.Job, report: common_pb2.FailureReport) -> bool:
+    """Whether a report about this job may open a new incident. Late evidence about a
+    generation that is over, or a job that ended, still joins its open incident; it never
+    opens a new one."""
+    return job.assignment.generation == report.generation and not state.is_terminal(job.state)
+
+
+def merge_update(
+    report: common_pb2.FailureReport,
+    now: float,
+    create: bool = True,
+    new_id: Callable[[], str] = new_incident_id,
+) -> Callable[[common_pb2.Incident | None], common_pb2.Incident]:
+    """The store's update of the incident open under the report's key: the report joins
+    it, or opens a new one (unless not `create`: NoOpenIncident)."""
+
+    def update(current: common_pb2.Incident | None) -> common_pb2.Incident:
+        open_incident = current if current is not None and incidents.is_open(current, now, report) else None
+        if open_incident is None and not create:
+            raise NoOpenIncident
+        merged = incidents.merge(open_incident, report, now, new_id())
+        if open_incident is None:
+            merged.traceparent = trace.new_incident_context()
+        return merged
+
+    return update

@@ -1,0 +1,313 @@
+"""The coordinator's pure parts by tables of cases (intake, remedies, the plan step, the
+re-plan schedule), and the whole coordinator on the in-memory store with the real solver
+in-process: no Redis, no gRPC, the clock in the test's hands."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.coordinator import decide, incidents, intake, ladder, remedies, replan, state
+from services.coordinator.coordinator import Coordinator, Settings
+from services.coordinator.memory_store import MemoryStore
+from services.planner import solver
+from services.planner.server import Limits, request_from_proto, result_to_proto
+from unicron import jobspec
+from unicron.v1 import common_pb2 as pb
+from unicron.v1 import node_service_pb2, planner_service_pb2
+
+NOW = 1_800_000_000.0
+RESET, EXIT, SOFTWARE = pb.FAILURE_KIND_CONNECTION_RESET, pb.FAILURE_KIND_PROCESS_EXIT, pb.FAILURE_KIND_SOFTWARE_ERROR
+EXCEPTION, SUPERVISION = pb.DETECTION_SOURCE_EXCEPTION, pb.DETECTION_SOURCE_PROCESS_SUPERVISION
+
+
+def report(kind: int, rank: int, source: int = EXCEPTION, generation: int = 1) -> pb.FailureReport:
+    out = pb.FailureReport(job_id="j", generation=generation, rank=rank, node_id="n1", kind=kind, source=source)  # type: ignore[arg-type]
+    out.first_seen.FromNanoseconds(int(NOW * 1e9))
+    return out
+
+
+def incident_of(*reports: pb.FailureReport, remedy: int = pb.REMEDY_UNSPECIFIED) -> pb.Incident:
+    incident = None
+    for r in reports:
+        incident = incidents.merge(incident, r, NOW, "inc-1")
+    assert incident is not None
+    incident.remedy = remedy  # type: ignore[assignment]
+    return incident
+
+
+# ---- intake -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("reports", "remedy", "created", "world", "route"),
+    [
+        # A network error alone waits for the peers (or the rank whose death it echoes).
+        ([report(RESET, 0)], pb.REMEDY_UNSPECIFIED, True, 2, intake.Route.HOLD),
+        # Every rank accounted for: decide at once.
+        ([report(RESET, 0), report(EXIT, 1, SUPERVISION)], pb.REMEDY_UNSPECIFIED, False, 2, intake.Route.RESPOND),
+        # A rank's own error is no echo: decide at once.
+        ([report(SOFTWARE, 0)], pb.REMEDY_UNSPECIFIED, True, 2, intake.Route.RESPOND),
+        # A reattempt under way, and a rank's exit shows it cannot work: decide again.
+        ([report(RESET, 0), report(EXIT, 1, SUPERVISION)], pb.REMEDY_REATTEMPT, False, 2, intake.Route.RESPOND),
+        # A restart under way: the late reports only join it.
+        ([report(RESET, 0), report(EXIT, 1, SUPERVISION)], pb.REMEDY_RESTART, False, 2, intake.Route.IGNORE),
+        ([report(pb.FAILURE_KIND_STRAGGLER, 1)], pb.REMEDY_UNSPECIFIED, True, 2, intake.Route.IGNORE),
+    ],
+)
+def test_what_a_recorded_report_does(
+    reports: list[pb.FailureReport], remedy: int, created: bool, world: int, route: intake.Route
+) -> None:
+    verdict = intake.route(incident_of(*reports, remedy=remedy), created, world)
+    assert verdict.route == route and verdict.reason
+
+
+def test_a_held_incident_is_decided_after_its_hold() -> None:
+    held = incident_of(report(RESET, 0))
+    assert not intake.hold_is_over(held, NOW + incidents.DECISION_HOLD_S / 2)
+    assert intake.hold_is_over(held, NOW + incidents.DECISION_HOLD_S)
+    held.remedy = pb.REMEDY_REATTEMPT
+    assert not intake.hold_is_over(held, NOW + 1)
+
+
+def test_a_late_report_joins_an_open_incident_but_opens_none() -> None:
+    update = intake.merge_update(report(RESET, 0), NOW, create=False)
+    with pytest.raises(intake.NoOpenIncident):
+        update(None)
+    joined = update(incident_of(report(EXIT, 1, SUPERVISION)))
+    assert len(joined.reports) == 2 and joined.incident_id == "inc-1"
+    opened = intake.merge_update(report(RESET, 0), NOW, new_id=lambda: "inc-new")(None)
+    assert opened.incident_id == "inc-new" and opened.traceparent
+
+
+# ---- remedies -----------------------------------------------------------------------------
+
+
+def running_job(world: int = 2, generation: int = 1) -> pb.Job:
+    job = pb.Job(job_id="j", spec=jobspec.with_defaults(jobspec.spec_from_dict({"name": "j"})), state=state.RUNNING)
+    job.assignment.generation = generation
+    job.assignment.world_size = world
+    job.assignment.master_addr, job.assignment.master_port = "127.0.0.1", 29500
+    job.assignment.workers.add(node_id="n1", ranks=list(range(world)))
+    job.workers.append(state.new_worker("n1", generation, NOW - 10, 0, "started"))
+    state.move_worker(job.workers[0], state.WORKER_RUNNING, NOW - 9, "running")
+    return job
+
+
+def inputs(job: pb.Job, remedy: int | None) -> remedies.Inputs:
+    assignment = None
+    if remedy == pb.REMEDY_REATTEMPT:
+        assignment = remedies.reattempt_assignment(job, NOW, master_port=29777)
+    elif remedy == pb.REMEDY_RESTART:
+        assignment = pb.Assignment()
+        assignment.CopyFrom(job.assignment)
+        assignment.generation += 1
+    return remedies.Inputs(NOW, 15.0, frozenset(), True, assignment)
+
+
+@pytest.mark.parametrize(
+    ("remedy", "reports", "job_state", "generation", "commands"),
+    [
+        # Same ranks, same places, a new group on a new port: one reform command.
+        (pb.REMEDY_REATTEMPT, [report(RESET, 0), report(RESET, 1)], state.RECOVERING, 2, ["reform"]),
+        # Rank 1 died, rank 0 waits: rank 1 alone restarts, in a reform.
+        (pb.REMEDY_RESTART, [report(RESET, 0), report(EXIT, 1, SUPERVISION)], state.RECOVERING, 2, ["reform"]),
+        # Both gone: stop and start every rank.
+        (
+            pb.REMEDY_RESTART,
+            [report(EXIT, 0, SUPERVISION), report(EXIT, 1, SUPERVISION)],
+            state.RECOVERING,
+            2,
+            ["stop_workers", "start_workers"],
+        ),
+        # The re-plan moves the job: no command yet, the generation stays.
+        (pb.REMEDY_RECONFIGURE, [report(pb.FAILURE_KIND_ECC_ERROR, 0)], state.RECOVERING, 1, []),
+        # The ladder gave up: the job fails, its ranks are stopped.
+        (None, [report(SOFTWARE, 0)], state.FAILED, 1, ["stop_workers"]),
+    ],
+)
+def test_a_remedy_is_one_write(
+    remedy: int | None, reports: list[pb.FailureReport], job_state: int, generation: int, commands: list[str]
+) -> None:
+    job = running_job()
+    incident = incident_of(*reports)
+    written = remedies.write(job, incident, ladder.Decision(remedy, "as the table says"), inputs(job, remedy))
+    assert written is not None
+    assert job.state == job_state and job.assignment.generation == generation
+    assert [command.WhichOneof("command") for _, command in written.commands] == commands
+    assert len(job.remedies) == (0 if remedy is None else 1)
+    if remedy == pb.REMEDY_REATTEMPT:
+        assert job.assignment.master_port == 29777 and job.remedies[0].generation == 2
+    assert all(command.traceparent == incident.traceparent for _, command in written.commands if remedy)
+
+
+def test_a_remedy_for_a_generation_that_is_over_writes_nothing() -> None:
+    job = running_job(generation=3)
+    decision = ladder.Decision(pb.REMEDY_REATTEMPT, "old news")
+    assert remedies.write(job, incident_of(report(RESET, 0)), decision, inputs(job, pb.REMEDY_REATTEMPT)) is None
+    assert job.state == state.RUNNING and not job.remedies
+
+
+def test_a_regroup_without_its_assignment_is_refused() -> None:
+    job = running_job()
+    with pytest.raises(ValueError, match="next assignment"):
+        remedies.write(job, incident_of(report(RESET, 0)), ladder.Decision(pb.REMEDY_RESTART, "x"), inputs(job, None))
+
+
+# ---- the plan step ------------------------------------------------------------------------
+
+
+def next_assignment(job: pb.Job, slots: dict[str, int]) -> pb.Assignment:
+    nodes = {n: pb.Node(node_id=n, address=f"10.0.0.{i + 1}:7000", slots=4) for i, n in enumerate(sorted(slots))}
+    assignment = decide.assignment_for(job.spec, slots, nodes, job.assignment.generation + 1)
+    assignment.master_port = 29600
+    return assignment
+
+
+@pytest.mark.parametrize(
+    ("kind", "job_state", "rank_map", "after", "commands"),
+    [
+        # One command per node of the new assignment (n1 and n2).
+        ("start", state.PENDING, None, state.SCHEDULED, ["start_workers", "start_workers"]),
+        ("start", state.RUNNING, None, state.RUNNING, None),  # no longer pending: nothing
+        ("pause", state.RUNNING, None, state.PENDING, ["stop_workers"]),
+        ("move", state.RUNNING, None, state.RECOVERING, ["stop_workers", "start_workers", "start_workers"]),
+        ("move", state.RUNNING, {0: 0}, state.RECOVERING, ["reform", "reform"]),
+        ("move", state.CANCELLED, None, state.CANCELLED, None),
+    ],
+)
+def test_a_plan_change_is_one_write(
+    kind: str, job_state: int, rank_map: dict[int, int] | None, after: int, commands: list[str] | None
+) -> None:
+    job = running_job(world=1)
+    job.state = job_state  # type: ignore[assignment]
+    slots = {} if kind == "pause" else {"n1": 1, "n2": 1}
+    change = decide.Change("j", kind, slots, "the solver's reason")
+    assignment = None if kind == "pause" else next_assignment(job, slots)
+    given = replan.StepInputs(NOW, "a test", 15.0, frozenset(), assignment, rank_map)
+    written = replan.change_write(job, change, given)
+    assert job.state == after
+    if commands is None:
+        assert written is None
+        return
+    assert written is not None
+    assert [command.WhichOneof("command") for _, command in written.commands] == commands
+    if kind != "pause":
+        assert job.assignment.master_port == 29600 and job.assignment.generation == 2
+
+
+def test_the_schedule_backs_off_and_forgets_on_success() -> None:
+    schedule = replan.Schedule(backoff_max_s=4.0)
+    assert schedule.wanted([], []) == ""
+    schedule.want("node n1 joined")
+    schedule.want("a job was cancelled")
+    assert schedule.wanted([], []) == "node n1 joined" and schedule.due(NOW)
+    delays = [schedule.failed("node n1 joined", NOW) for _ in range(4)]
+    assert delays == [1.0, 2.0, 4.0, 4.0]
+    assert not schedule.due(NOW + 3.9) and schedule.due(NOW + 4.0)
+    schedule.done()
+    assert schedule.reason == "" and schedule.failed("again", NOW) == 1.0
+    assert replan.Schedule(4.0).wanted([pb.Job(state=state.PENDING)], []) == "pending jobs"
+
+
+# ---- the whole coordinator on the in-memory store -----------------------------------------
+
+
+class InProcessPlanner:
+    """The real solver, called in this process instead of over gRPC."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def plan(self, request: planner_service_pb2.PlanRequest) -> planner_service_pb2.PlanResponse:
+        self.calls += 1
+        return result_to_proto(solver.plan(request_from_proto(request, Limits(max_jobs=16, max_nodes=16))))
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = NOW
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def cluster() -> tuple[Coordinator, MemoryStore, Clock]:
+    store, clock = MemoryStore(), Clock()
+    coordinator = Coordinator(store, InProcessPlanner(), Settings(), clock=clock)
+    for node_id in ("n1", "n2"):
+        coordinator.register_node(node_id, f"10.9.0.{node_id[-1]}:7000", 1, "rack-a")
+    return coordinator, store, clock
+
+
+def submit_and_place(coordinator: Coordinator, data: int = 2) -> pb.Job:
+    spec = jobspec.spec_from_dict(
+        {
+            "name": "tiny",
+            "program": {"entry_point": "examples.gpt.train:main"},
+            "parallelism": {"data": data, "min_data": 1},
+            "training": {"iterations": 50, "global_batch_size": 4},
+        }
+    )
+    job = coordinator.submit(spec)
+    coordinator.reconcile_once()
+    return coordinator.get(job.job_id)
+
+
+def iterate(coordinator: Coordinator, job: pb.Job, iteration: int, ranks: range) -> None:
+    for rank in ranks:
+        node_id = next(w.node_id for w in job.assignment.workers if rank in w.ranks)
+        coordinator.report_progress(
+            node_id,
+            [
+                node_service_pb2.IterationReport(
+                    job_id=job.job_id, generation=job.assignment.generation, rank=rank, iteration=iteration, seconds=0.1
+                )
+            ],
+        )
+
+
+def test_a_job_is_placed_runs_and_heals_without_redis(cluster: tuple[Coordinator, MemoryStore, Clock]) -> None:
+    coordinator, store, clock = cluster
+    job = submit_and_place(coordinator)
+    assert job.state == state.SCHEDULED and job.assignment.world_size == 2
+    iterate(coordinator, job, 1, range(2))
+    assert coordinator.get(job.job_id).state == state.RUNNING
+    # Rank 1 dies; rank 0 reports the reset it saw: every rank is accounted for, so rank 1
+    # alone restarts, at once.
+    exit_request = node_service_pb2.ReportWorkerExitRequest(
+        node_id=job.assignment.workers[1].node_id, job_id=job.job_id, generation=1, rank=1, exit_code=1
+    )
+    reset = report(RESET, 0)
+    reset.job_id, reset.node_id = job.job_id, job.assignment.workers[0].node_id
+    coordinator.report_failure(reset.node_id, reset)
+    coordinator.report_worker_exit(exit_request)
+    healed = coordinator.get(job.job_id)
+    assert healed.state == state.RECOVERING and healed.assignment.generation == 2
+    assert [r.remedy for r in healed.remedies] == [pb.REMEDY_RESTART]
+    reform = [c for _, c in store.read_commands(healed.assignment.workers[1].node_id, "0-0") if c.HasField("reform")]
+    assert reform and reform[-1].reform.assignment.generation == 2
+    clock.now += 1
+    iterate(coordinator, healed, 2, range(2))
+    resumed = coordinator.get(job.job_id)
+    assert resumed.state == state.RUNNING and resumed.remedies[0].HasField("resumed")
+    (incident,) = coordinator.list_incidents(job.job_id)
+    assert incident.remedy == pb.REMEDY_RESTART and incident.HasField("resumed")
+
+
+def test_a_lost_node_is_replanned_away_without_redis(cluster: tuple[Coordinator, MemoryStore, Clock]) -> None:
+    coordinator, _, clock = cluster
+    coordinator.register_node("n3", "10.9.0.3:7000", 1, "rack-b")
+    job = submit_and_place(coordinator)
+    iterate(coordinator, job, 1, range(2))
+    lost = job.assignment.workers[0].node_id
+    for _ in range(4):
+        clock.now += 1.0
+        for node_id in ("n1", "n2", "n3"):
+            if node_id != lost:
+                coordinator.heartbeat(node_id)
+        coordinator.reconcile_once()
+    moved = coordinator.get(job.job_id)
+    assert lost not in decide.nodes_of(moved) and moved.assignment.world_size == 2
+    assert moved.state == state.RECOVERING and moved.assignment.generation > job.assignment.generation
+    assert {i.kind for i in coordinator.list_incidents()} == {pb.FAILURE_KIND_NODE_LOST}

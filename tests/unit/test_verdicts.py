@@ -1,0 +1,128 @@
+"""The agent's hang verdicts by tables of cases, fed by a fake probe and the clock passed in;
+and the per-generation bookkeeping (watch.py) they read."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import pytest
+
+from services.agent import verdicts
+from services.agent.watch import JobWatch
+from unicron.monitor import Finding, MonitorSettings, ReportRejected
+from unicron.v1 import common_pb2
+from unicron.v1 import node_service_pb2 as pb
+
+HANG = common_pb2.FAILURE_KIND_TASK_HANG
+
+
+def hang(first_seen: float = 100.0, threshold: float = 10.0) -> Finding:
+    return Finding(HANG, "j", 1, None, first_seen, "no iteration", {"threshold_s": threshold})
+
+
+@pytest.mark.parametrize(
+    ("last_progress", "ignored", "busy", "now", "verdict"),
+    [
+        (85.0, False, False, 101.0, True),  # silent since before the threshold: a hang
+        (95.0, False, False, 101.0, False),  # an iteration after all (within the threshold)
+        (85.0, True, False, 101.0, False),  # finishing, or waiting for a decision
+        (None, False, False, 101.0, False),  # the job is no longer watched
+        (85.0, False, True, 101.0, None),  # busy: wait
+        (85.0, False, True, 119.9, None),  # still within the hold (2 more thresholds)
+        (85.0, False, True, 120.0, True),  # the hold is over: busy or not, it is a hang
+    ],
+)
+def test_judge(last_progress: float | None, ignored: bool, busy: bool, now: float, verdict: bool | None) -> None:
+    assert verdicts.judge(hang(), last_progress, ignored, busy, now) is verdict
+
+
+@pytest.mark.parametrize(
+    ("mark", "now", "waited", "runnable", "starved"),
+    [
+        (None, 10.0, 0.0, True, True),  # first look: a runnable thread is all there is to go on
+        (None, 10.0, 5.0, False, False),
+        ((9.0, 1.0), 10.0, 1.5, False, True),  # 0.5 s queued per second: starved
+        ((9.0, 1.0), 10.0, 1.1, True, False),  # 0.1 s per second: a background thread
+        ((10.0, 1.0), 10.0, 9.0, True, False),  # no time passed: nothing to compare
+    ],
+)
+def test_starved(mark: tuple[float, float] | None, now: float, waited: float, runnable: bool, starved: bool) -> None:
+    assert verdicts.starved(mark, now, waited, runnable) is starved
+
+
+def test_cpu_rate() -> None:
+    assert verdicts.cpu_rate(None, 10.0, 5.0) is None
+    assert verdicts.cpu_rate((8.0, 1.0), 10.0, 2.0) == 0.5
+    assert verdicts.cpu_rate((10.0, 1.0), 10.0, 2.0) is None
+
+
+class FakeProbe:
+    def __init__(self) -> None:
+        self.cpu = 0.0
+        self.queued = 0.0
+        self.runnable = False
+        self.busy_now = False
+
+    def run_queue(self, pids: Iterable[int]) -> tuple[float, bool]:
+        return self.queued, self.runnable
+
+    def cpu_seconds(self, pids: Iterable[int]) -> float:
+        return self.cpu
+
+    def busy(self, pids: Iterable[int]) -> bool:
+        return self.busy_now
+
+
+def test_a_job_spinning_its_cpu_is_held_then_reported() -> None:
+    probe = FakeProbe()
+    judge = verdicts.HangJudge(probe, lambda job_id: [1234])
+    key = ("j", 1)
+    judge.sample_cpu([key], 100.0)
+    probe.cpu = 1.0  # a core's worth over the next second
+    judge.sample_cpu([key], 101.0)
+    judge.suspect(hang())
+    assert judge.verdicts({key: 85.0}, lambda k: False, 101.0) == []  # busy: held
+    (reported,) = judge.verdicts({key: 85.0}, lambda k: False, 120.0)
+    assert reported.evidence["held_s"] == 20.0 and reported.evidence["cpu_cores"] == 1.0
+    assert judge.verdicts({key: 85.0}, lambda k: False, 121.0) == []  # reported once
+
+
+def test_a_sleeping_job_is_reported_at_once_and_a_resolved_one_never() -> None:
+    probe = FakeProbe()
+    judge = verdicts.HangJudge(probe, lambda job_id: [1234])
+    judge.suspect(hang())
+    assert len(judge.verdicts({("j", 1): 85.0}, lambda k: False, 101.0)) == 1
+    judge.suspect(hang())
+    assert judge.verdicts({("j", 1): 99.0}, lambda k: False, 101.0) == []
+    assert judge.verdicts({("j", 1): 85.0}, lambda k: False, 130.0) == []  # dropped for good
+
+
+def iteration(rank: int, number: int) -> pb.IterationReport:
+    return pb.IterationReport(job_id="j", generation=1, rank=rank, iteration=number, seconds=0.1)
+
+
+def test_the_watch_flushes_the_first_report_and_knows_when_a_job_finishes() -> None:
+    watch = JobWatch(MonitorSettings())
+    assert watch.observe(("j", 1), iteration(0, 1), 1.0) is None  # not watched here
+    watch.start("j", 1, [0, 1], last_iteration=3, now=0.0)
+    assert watch.observe(("j", 1), iteration(0, 1), 1.0) is True  # ends a transition: at once
+    assert watch.observe(("j", 1), iteration(0, 2), 2.0) is False
+    with pytest.raises(ReportRejected):
+        watch.observe(("j", 1), iteration(0, 2), 2.5)  # not a next iteration
+    assert not watch.quiet_expected(("j", 1))
+    watch.observe(("j", 1), iteration(0, 3), 3.0)
+    assert watch.quiet_expected(("j", 1)) and watch.last_iteration_of(("j", 1), 0) == 3
+
+
+def test_a_job_awaiting_a_decision_is_quiet_until_it_iterates() -> None:
+    watch = JobWatch(MonitorSettings())
+    watch.start("j", 1, [0], last_iteration=0, now=0.0)
+    watch.start("j", 2, [0], last_iteration=0, now=0.0)
+    watch.awaiting_decision(("j", 1))
+    assert watch.quiet_expected(("j", 1)) and not watch.quiet_expected(("j", 2))
+    watch.observe(("j", 1), iteration(0, 1), 1.0)
+    assert not watch.quiet_expected(("j", 1))
+    watch.forget("j", max_generation=1)
+    assert watch.quiet_expected(("j", 1)) and not watch.quiet_expected(("j", 2))
+    watch.forget("j")
+    assert watch.check(5.0) == ([], {}, [])
