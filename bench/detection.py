@@ -945,7 +945,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         clusters.append(main_cluster)
         main_cluster.start()
-        with UnicronClient(main_cluster.coordinator) as client:
+        with main_cluster.client() as client:
             main_cluster.wait_nodes(client.nodes, main_cluster.agents)
             bench = DetectionBench(main_cluster, client, settings, poller)
             failures_in_a_row = 0
@@ -976,7 +976,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 clusters.append(off_cluster)
                 off_cluster.start()
-                with UnicronClient(off_cluster.coordinator) as off_client:
+                with off_cluster.client() as off_client:
                     off_cluster.wait_nodes(off_client.nodes, off_cluster.agents)
                     off_bench = DetectionBench(off_cluster, off_client, settings, poller)
                     overhead = measure_overhead(

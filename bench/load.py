@@ -184,7 +184,7 @@ def run(settings: Settings, run_dir: Path) -> dict[str, Any]:
         planners=2,
         heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
     )
-    with cluster, UnicronClient(cluster.coordinator, timeout_s=30.0) as client:
+    with cluster, cluster.client(timeout_s=30.0) as client:
         coordinator = psutil.Process(cluster.service("coordinator").proc.pid)
         log("baseline: 10 agents")
         report["baseline"] = measure_baseline(cluster, settings, run_dir)

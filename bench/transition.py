@@ -874,7 +874,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         cluster.start()
-        with UnicronClient(cluster.coordinator) as client:
+        with cluster.client() as client:
             cluster.wait_nodes(client.nodes, cluster.agents)
             unicron_side = UnicronSide(cluster, client, settings)
             baseline_side = BaselineSide(run_dir, settings)

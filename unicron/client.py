@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import grpc
 
 from unicron import rpc
-from unicron.security import ClientSecurity, client_security_for
+from unicron.security import ClientSecurity
 from unicron.v1 import common_pb2, job_service_pb2, job_service_pb2_grpc
 
 DEFAULT_COORDINATOR = "127.0.0.1:50051"
@@ -37,11 +37,11 @@ class UnicronClient:
     def __init__(
         self, address: str = DEFAULT_COORDINATOR, timeout_s: float = 10.0, security: ClientSecurity | None = None
     ) -> None:
-        """`security` None: a local cluster's credentials for this address, else the
-        environment's (UNICRON_TLS_CA, UNICRON_TOKEN, ...: ClientSecurity.from_env)."""
+        """`security` None: the environment's (UNICRON_TLS_CA, UNICRON_TOKEN, ...:
+        ClientSecurity.from_env)."""
         self.address = address
         self._timeout_s = timeout_s
-        self.security = security if security is not None else client_security_for(address)
+        self.security = security if security is not None else ClientSecurity.from_env()
         self._channel = rpc.channel(address, self.security)
         self._stub = job_service_pb2_grpc.JobServiceStub(self._channel)
 

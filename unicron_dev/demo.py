@@ -16,7 +16,7 @@ from pathlib import Path
 
 from unicron import jobspec
 from unicron.cli import INCIDENT_HEADERS, follow, incident_row, print_job, state_name, table
-from unicron.client import ClientError, UnicronClient
+from unicron.client import ClientError
 from unicron.errors import UnicronError
 from unicron.faults import parse_fault
 from unicron.v1 import common_pb2
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cluster.start()
         print(f"every call over mutual TLS with tokens (a development CA in {run_dir / 'certs'})")
-        with UnicronClient(cluster.coordinator) as client:
+        with cluster.client() as client:
             cluster.wait_nodes(client.nodes, 2)
             say("nodes")
             nodes = client.nodes()

@@ -3,8 +3,8 @@ tests run. Stops cleanly, leaving no process behind.
 
 Secure like a real cluster unless told otherwise: it makes a development CA, certificates
 and tokens in `<run_dir>/certs` (unicron.certs), so every call goes over mutual TLS with
-tokens. In-process clients (`UnicronClient(cluster.coordinator)`) find the admin's
-credentials by address; a CLI in a subprocess takes them from `client_env()`."""
+tokens. In-process clients get the admin's credentials from `client()` (or
+`client_security()`); a CLI in a subprocess takes them from `client_env()`."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from unicron.certs import DevPKI, User, create_dev_pki
 from unicron.client import UnicronClient
 from unicron.errors import FailedPrecondition, Unavailable
 from unicron.redisutil import LocalRedis, free_port
-from unicron.security import ClientSecurity, forget_client_security, load_tls, register_client_security
+from unicron.security import ClientSecurity, load_tls
 from unicron.v1 import common_pb2
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -105,7 +105,6 @@ class LocalCluster:
     services: list[Service] = field(default_factory=list)
     pki: DevPKI | None = None
     _redis: LocalRedis | None = None
-    _registered: list[str] = field(default_factory=list)
 
     # An admin and a plain user, for tests of who sees what.
     USERS = (User("admin", admin=True), User("alice"))
@@ -122,6 +121,7 @@ class LocalCluster:
         return self.pki.env(user) if self.pki is not None else {"UNICRON_PLAINTEXT": "1"}
 
     def client(self, user: str = "admin", timeout_s: float = 10.0) -> UnicronClient:
+        """A client of the active coordinator, as `user`."""
         return UnicronClient(self.coordinator, timeout_s=timeout_s, security=self.client_security(user))
 
     def _service_security(self) -> ClientSecurity:
@@ -225,8 +225,6 @@ class LocalCluster:
             for service in self.coordinator_services()[1:]:
                 self._wait_standby(service, 0, timeout_s)
             coordinator = self.coordinator
-            self._registered = [coordinator, *(s.address for s in self.coordinator_services())]
-            register_client_security(self._registered, self.client_security())
             for i in range(self.agents):
                 node_id = self._node_id(i)
                 self._spawn(
@@ -361,8 +359,6 @@ class LocalCluster:
                 service.proc.kill()
                 service.proc.wait()
         self.services.clear()
-        forget_client_security(self._registered)
-        self._registered = []
         if self._redis:
             self._redis.stop()
             self._redis = None

@@ -187,7 +187,7 @@ class Planner:
                 plan_job.transition.bandwidth_bytes_per_second = shard.bandwidth_bytes_per_s
         if not self.dp_hint:
             # A cap no plan can reach (every job changing is allowed); the planner skips its
-            # size-only DP hint when a cap is set (solver._size_only_targets).
+            # size-only DP hint when a cap is set (greedy.size_only_targets).
             request.max_changed_jobs = len(request.jobs)
         started = time.perf_counter()
         result = solver.plan(planner_server.request_from_proto(request, planner_server.Limits()))

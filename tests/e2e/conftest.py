@@ -7,7 +7,6 @@ from collections.abc import Iterator
 
 import psutil
 
-from unicron.client import UnicronClient
 from unicron_dev.localcluster import LocalCluster
 
 
@@ -16,7 +15,7 @@ def running(local: LocalCluster) -> Iterator[LocalCluster]:
     test module fails, and asserts nothing outlived it."""
     local.start()
     try:
-        with UnicronClient(local.coordinator) as client:
+        with local.client() as client:
             local.wait_nodes(client.nodes, local.agents)
         yield local
     finally:

@@ -122,7 +122,7 @@ def test_jobs_survive_chaos_and_their_logs_tell_the_story(cluster: LocalCluster)
     schedule = SCHEDULE[:]
     rng.shuffle(schedule)
     print(f"chaos seed {seed}: {schedule}")
-    with UnicronClient(cluster.coordinator) as client:
+    with cluster.client() as client:
         jobs = [client.submit(tiny_gpt(name, data=2, iterations=ITERATIONS)).job_id for name in JOBS]
         deadline = time.monotonic() + 120
         while min(client.get(j).progress.iteration for j in jobs) < 3:

@@ -81,7 +81,7 @@ def submit_running(cluster: LocalCluster, tmp_path: Path, name: str, iterations:
     spec_file = tmp_path / "job.yaml"
     spec_file.write_text(yaml.safe_dump(spec))
     job_id: str = json.loads(unicron(cluster, "--json", "submit", str(spec_file)).stdout)["job_id"]
-    with UnicronClient(cluster.coordinator) as client:
+    with cluster.client() as client:
         deadline = time.monotonic() + 120
         while client.get(job_id).state != common_pb2.JOB_STATE_RUNNING:
             assert time.monotonic() < deadline, "job never started running"
@@ -98,7 +98,7 @@ def story(client: UnicronClient, job_id: str) -> str:
 
 def test_killed_trainer_is_restarted_and_the_job_trains_on(cluster: LocalCluster, tmp_path: Path) -> None:
     job_id = submit_running(cluster, tmp_path, "e2e-kill", iterations=10_000)
-    with UnicronClient(cluster.coordinator) as client:
+    with cluster.client() as client:
         try:
             victims = cluster.trainer_processes(job_id, rank=1)
             assert len(victims) == 1
@@ -136,7 +136,7 @@ def test_a_second_death_while_the_restart_forms_its_group_is_restarted_too(
     the ladder to isolating a healthy node), and the restarted rank 1, still starting, is
     handed the newer reform when it connects."""
     job_id = submit_running(cluster, tmp_path, "e2e-twice", iterations=10_000)
-    with UnicronClient(cluster.coordinator) as client:
+    with cluster.client() as client:
         try:
             cluster.trainer_processes(job_id, rank=1)[0].send_signal(signal.SIGKILL)
             killed_at = time.monotonic()
@@ -167,7 +167,7 @@ def test_a_job_survives_a_coordinator_crash(cluster: LocalCluster, tmp_path: Pat
     cluster.restart("coordinator")
     watched = unicron(cluster, "watch", job_id, check=False)
     assert watched.returncode == 0, watched.stdout + watched.stderr
-    with UnicronClient(cluster.coordinator) as client:
+    with cluster.client() as client:
         job = client.get(job_id)
         assert job.state == common_pb2.JOB_STATE_SUCCEEDED
         assert [n.state for n in client.nodes()] == [common_pb2.NODE_STATE_READY] * 2

@@ -34,7 +34,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
 def cancel_leftovers(cluster: LocalCluster) -> Iterator[None]:
     """A test that fails before it cancels its job would leave the slots taken for the next."""
     yield
-    with UnicronClient(cluster.coordinator) as client:
+    with cluster.client() as client:
         for job in client.list_jobs():
             if job.state in ACTIVE_OR_PENDING:
                 client.cancel(job.job_id)
@@ -92,7 +92,7 @@ def latency(incident: common_pb2.Incident, fired: float) -> float:
 
 
 def test_an_exception_is_classified_and_peers_join_its_incident(cluster: LocalCluster) -> None:
-    with UnicronClient(cluster.coordinator) as client:
+    with cluster.client() as client:
         job = start_job(client, "det-exception")
         inject(cluster, job, "exception:ecc_error", rank=1)
         incident, fired = incident_and_fault_time(client, job)
@@ -112,12 +112,12 @@ def test_an_exception_is_classified_and_peers_join_its_incident(cluster: LocalCl
     cluster.kill(incident.node_id, signal.SIGTERM)
     cluster.service(incident.node_id).proc.wait(timeout=30)
     cluster.restart(incident.node_id)
-    with UnicronClient(cluster.coordinator) as client:
+    with cluster.client() as client:
         cluster.wait_nodes(client.nodes, 2)
 
 
 def test_a_crash_is_seen_by_process_supervision(cluster: LocalCluster) -> None:
-    with UnicronClient(cluster.coordinator) as client:
+    with cluster.client() as client:
         job = start_job(client, "det-crash")
         inject(cluster, job, "crash", rank=0)
         incident, fired = incident_and_fault_time(client, job)
@@ -130,7 +130,7 @@ def test_a_crash_is_seen_by_process_supervision(cluster: LocalCluster) -> None:
 
 
 def test_a_stopped_trainer_is_a_hang_with_evidence(cluster: LocalCluster) -> None:
-    with UnicronClient(cluster.coordinator) as client:
+    with cluster.client() as client:
         job = start_job(client, "det-hang")
         inject(cluster, job, "hang", rank=1)
         incident, fired = incident_and_fault_time(client, job, timeout_s=60)
@@ -146,7 +146,7 @@ def test_a_stopped_trainer_is_a_hang_with_evidence(cluster: LocalCluster) -> Non
 
 
 def test_a_lost_agent_is_a_lost_node(cluster: LocalCluster) -> None:
-    with UnicronClient(cluster.coordinator) as client:
+    with cluster.client() as client:
         job = start_job(client, "det-agent")
         victim = next(w.node_id for w in job.assignment.workers if 1 in w.ranks)
         inject(cluster, job, "agent-loss", rank=1)
@@ -166,5 +166,5 @@ def test_a_lost_agent_is_a_lost_node(cluster: LocalCluster) -> None:
     assert incident.remedy == common_pb2.REMEDY_RECONFIGURE
     assert nodes[victim] == common_pb2.NODE_STATE_LOST
     cluster.restart(victim)  # the agent comes back and registers again
-    with UnicronClient(cluster.coordinator) as client:
+    with cluster.client() as client:
         cluster.wait_nodes(client.nodes, 2)

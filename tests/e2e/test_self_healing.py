@@ -46,7 +46,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     cluster = running(local)
     next(cluster)
     try:
-        with UnicronClient(local.coordinator) as client:
+        with local.client() as client:
             # Measured-looking profiles (FLOP/s per size), so the plan does not hang on the
             # estimate for a toy model: the heavy job is worth 4x per FLOP.
             client.submit(
@@ -157,7 +157,7 @@ def check_trace(cluster: LocalCluster, incident: common_pb2.Incident, remedy: st
 
 
 def test_a_killed_trainer_is_restarted_and_training_goes_on(cluster: LocalCluster) -> None:
-    with UnicronClient(cluster.coordinator) as client:
+    with cluster.client() as client:
         before = client.get(LIGHT)
         seen = incident_ids(client, LIGHT)
         victims = cluster.trainer_processes(before.job_id, rank=0)
@@ -180,7 +180,7 @@ def test_a_killed_trainer_is_restarted_and_training_goes_on(cluster: LocalCluste
 
 
 def test_a_sev3_fault_is_reattempted_in_place(cluster: LocalCluster) -> None:
-    with UnicronClient(cluster.coordinator) as client:
+    with cluster.client() as client:
         before = client.get(HEAVY)
         pids = sorted(p.pid for p in cluster.trainer_processes(before.job_id))
         seen = incident_ids(client, HEAVY)
@@ -204,7 +204,7 @@ def test_a_rank_with_an_error_of_its_own_is_replaced_and_takes_a_live_peers_stat
     # The rank reports the error and waits; the coordinator alone classifies it (SEV2: the
     # rank's state is not trusted), restarts that rank only, and the new process takes the
     # state from the rank that kept training.
-    with UnicronClient(cluster.coordinator) as client:
+    with cluster.client() as client:
         before = client.get(HEAVY)
         (kept,) = [p.pid for p in cluster.trainer_processes(before.job_id, rank=0)]
         (failed,) = [p.pid for p in cluster.trainer_processes(before.job_id, rank=1)]
@@ -224,7 +224,7 @@ def test_a_rank_with_an_error_of_its_own_is_replaced_and_takes_a_live_peers_stat
 
 
 def test_a_lost_agent_pauses_the_lighter_job_and_its_return_grows_it_back(cluster: LocalCluster) -> None:
-    with UnicronClient(cluster.coordinator) as client:
+    with cluster.client() as client:
         heavy = client.get(HEAVY)
         heavy_size = heavy.assignment.world_size
         seen = incident_ids(client, HEAVY)
@@ -279,7 +279,7 @@ def test_a_lost_agent_pauses_the_lighter_job_and_its_return_grows_it_back(cluste
 
 
 def test_a_coordinator_killed_mid_transition_finishes_it_after_a_restart(cluster: LocalCluster) -> None:
-    with UnicronClient(cluster.coordinator) as client:
+    with cluster.client() as client:
         before = client.get(HEAVY)
         seen = incident_ids(client, HEAVY)
         inject(cluster, HEAVY, "crash", rank=0)
@@ -288,7 +288,7 @@ def test_a_coordinator_killed_mid_transition_finishes_it_after_a_restart(cluster
         cluster.kill("coordinator", signal.SIGKILL)
         cluster.service("coordinator").proc.wait(timeout=10)
     cluster.restart("coordinator")
-    with UnicronClient(cluster.coordinator) as client:
+    with cluster.client() as client:
         after = trains_on(client, HEAVY, timeout_s=180)
         remedy = after.remedies[len(before.remedies)]
         incident = next(i for i in client.incidents(after.job_id) if i.incident_id == remedy.incident_id)

@@ -42,7 +42,7 @@ def test_the_standby_takes_over_and_the_job_finishes_once(
 ) -> None:
     active = cluster.wait_active_coordinator()
     standby = other(cluster, active)
-    with UnicronClient(cluster.coordinator) as client:
+    with cluster.client() as client:
         job_id = client.submit(tiny_gpt("standby-gpt", data=2, iterations=ITERATIONS)).job_id
         deadline = time.monotonic() + 120
         while (job := client.get(job_id)).progress.iteration < 5:
@@ -114,7 +114,8 @@ def test_a_coordinator_whose_lease_was_stolen_writes_nothing_and_exits(cluster: 
     # What another coordinator's acquisition leaves: a newer fence, another token.
     thief = Holder(int(redis.incr(FENCE_KEY)), "thief", "thief@elsewhere")  # type: ignore[arg-type]
     redis.set(LEASE_KEY, thief.encode(), px=1500)
-    with UnicronClient(service.address, timeout_s=5) as direct, pytest.raises(ClientError) as refused:
+    direct = UnicronClient(service.address, timeout_s=5, security=cluster.client_security())
+    with direct, pytest.raises(ClientError) as refused:
         direct.submit(tiny_gpt("after-the-steal"))
     assert refused.value.code == grpc.StatusCode.UNAVAILABLE  # NotLeader, or already gone
     assert service.proc.wait(timeout=5) == EXIT_LEASE_LOST
@@ -122,7 +123,7 @@ def test_a_coordinator_whose_lease_was_stolen_writes_nothing_and_exits(cluster: 
 
     # Once the thief's lease expires the other coordinator takes over; nothing was written.
     assert cluster.wait_active_coordinator(timeout_s=15, not_this=active) == other(cluster, active)
-    with UnicronClient(cluster.coordinator) as client:
+    with cluster.client() as client:
         assert "after-the-steal" not in [j.spec.name for j in client.list_jobs()]
     redis.close()
     cluster.restart(active)

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bench import planner as bench
-from services.planner import domain, solver
+from services.planner import domain, problem, solver
 from services.planner.domain import Job, Node, PlanRequest, PlanResult, Transition
 
 
@@ -79,7 +79,7 @@ def _medium_requests(draw: st.DrawFn) -> PlanRequest:
 def test_pooled_and_typed_nodes_reach_the_explicit_optimum(request: PlanRequest) -> None:
     explicit = solver.plan(request, _mode="explicit")
     modes = ["typed"]
-    if solver._is_chain(solver._build_data(request).levels):
+    if problem.is_chain(problem.build_problem(request).levels):
         modes.append("pool")  # exact only for a chain of TP degrees
     for mode in modes:
         result = solver.plan(request, _mode=mode)
@@ -97,7 +97,7 @@ def test_non_chain_tp_degrees_use_typed_capacity() -> None:
     nodes = (Node("n1", 8), Node("n2", 3))
     jobs = (_job("a", tensor_parallel=2, max_dp=1), _job("b", tensor_parallel=3, max_dp=3))
     request = PlanRequest(nodes, jobs, 1e-5, relative_gap=0.0)
-    assert solver._build_data(request).capacity == "typed"
+    assert problem.build_problem(request).capacity == "typed"
     result = solver.plan(request)
     assert result.status == "OPTIMAL"
     assert {j.job_id: j.size for j in result.jobs} == {"a": 2, "b": 9}

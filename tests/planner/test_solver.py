@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from services.planner import domain, solver
+from services.planner import domain, greedy, problem
 from services.planner.domain import Job, Node, PlanRequest, PlanResult, Transition
 from services.planner.solver import plan
 
@@ -290,12 +290,12 @@ def test_polish_returns_a_needlessly_moved_job() -> None:
     nodes = [Node("n1", 4), Node("n2", 4)]
     jobs = [_job("a", max_dp=4, current={"n1": 4}), _job("b", max_dp=2)]
     request = _request(nodes, jobs)
-    data = solver._build_data(request)
+    data = problem.build_problem(request)
     # "b" took half of n1: "a" cannot go back, and stays moved.
     moved = {"a": {"n2": 4}, "b": {"n1": 2}}
-    assert solver._polish(data, moved) == moved
+    assert greedy.polish(data, moved) == moved
     # n1 is free: "a" goes back, a kept job earning more than a migrated one.
-    polished = solver._polish(data, {"a": {"n2": 4}, "b": {"n2": 0}})
+    polished = greedy.polish(data, {"a": {"n2": 4}, "b": {"n2": 0}})
     assert polished == {"a": {"n1": 4}, "b": {"n2": 0}}
     assert domain.plan_problems(request, polished) == []
 

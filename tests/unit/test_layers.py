@@ -59,3 +59,30 @@ def test_the_everyday_cli_loads_neither_the_solver_nor_torch() -> None:
     )
     loaded = {line.rsplit("|", 1)[-1].strip().split(".")[0] for line in result.stderr.splitlines() if "|" in line}
     assert not loaded & {"ortools", "torch", "megatron", "services", "unicron_sim"}, sorted(loaded)
+
+
+# The coordinator's and the agent's decisions: no I/O, no clock of their own, no threads (the
+# caller passes the time and every value a read would give).
+PURE = [
+    "services/coordinator/decide.py",
+    "services/coordinator/intake.py",
+    "services/coordinator/remedies.py",
+    "services/coordinator/ladder.py",
+    "services/coordinator/incidents.py",
+    "services/coordinator/transitions.py",
+    "services/coordinator/state.py",
+    "services/coordinator/cost.py",
+    "services/agent/verdicts.py",
+    "services/planner/domain.py",
+    "services/planner/problem.py",
+]
+IMPURE = {"redis", "grpc", "threading", "socket", "subprocess", "time", "psutil", "os"}
+
+
+@pytest.mark.parametrize("relative", PURE)
+def test_decisions_are_pure(relative: str) -> None:
+    found = _imports(ROOT / relative) & IMPURE
+    for module in ("redis_store", "memory_store", "registry", "healing", "reports", "reconciler"):
+        if f"services.coordinator.{module}" in (ROOT / relative).read_text():
+            found.add(f"services.coordinator.{module}")
+    assert not found, f"{relative} imports {sorted(found)}"
