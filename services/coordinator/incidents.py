@@ -111,12 +111,20 @@ def merge(incident: pb.Incident | None, report: pb.FailureReport, now: float, in
 def is_open(incident: pb.Incident, now: float, report: pb.FailureReport | None = None) -> bool:
     """Whether a new report with the incident's key still joins it: within the merge
     window, and, once a remedy began, only if the report saw the failure before that (a
-    failure after a reattempt in place, same generation, is a new incident). Except the exit
-    of a rank that reported in the incident already: it gave up on the error it reported, and
-    a loaded machine can take longer to end it than the coordinator takes to decide."""
+    rank's own error after it is a new failure). Except:
+
+    - a group symptom (a network error) of the incident's generation, however late: it is
+      how the failure, or its remedy (the old group torn down, a node isolated while the
+      re-plan is under way), looks from a peer, and on its own it would get a second remedy
+      (every remedy but a reconfigure starts a new generation, so such a report is an echo);
+    - the exit of a rank that reported in the incident already: it gave up on the error it
+      reported, and a loaded machine can take longer to end it than the coordinator takes to
+      decide."""
     if now - _seconds(incident.detected) > MERGE_WINDOW_S:
         return False
     if report is None or not incident.HasField("remedy_started") or not report.HasField("first_seen"):
+        return True
+    if report.kind in _CONSEQUENCES and report.generation == incident.generation:
         return True
     if report.source == pb.DETECTION_SOURCE_PROCESS_SUPERVISION and report.HasField("rank"):
         if any(r.HasField("rank") and r.rank == report.rank and r.node_id == report.node_id for r in incident.reports):

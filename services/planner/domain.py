@@ -44,10 +44,13 @@ construction in ``field_scope('request.jobs[2]')`` to name it ``request.jobs[2].
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
+
+from services.planner.fields import FieldError as FieldError  # the planner's error, as callers name it
+from services.planner.fields import check_bool, check_float, check_id, check_int, fail
+from services.planner.fields import field_scope as field_scope
 
 # Horizon used when no failures are expected (rate 0) or no node is healthy: one day. Any long
 # horizon makes transition costs small next to running time, which is what a zero rate means.
@@ -74,65 +77,6 @@ PlanSlots = Mapping[str, Mapping[str, int]]
 """A plan as plain data: job_id -> node_id -> slots. A missing job or an empty map is paused."""
 
 
-class FieldError(ValueError):
-    """A bad input value. ``field`` is its path below ``owner`` (``weight``, ``throughput[16]``,
-    ``current['n7']``); ``str()`` is ``"<owner>.<field>: <message>"``."""
-
-    def __init__(self, owner: str, field: str, message: str) -> None:
-        self.owner, self.field, self.message = owner, field, message
-        super().__init__(f"{self.path}: {message}")
-
-    @property
-    def path(self) -> str:
-        if not self.owner:
-            return self.field
-        return f"{self.owner}{'' if self.field.startswith('[') else '.'}{self.field}"
-
-    def within(self, owner: str) -> FieldError:
-        """The same error, named below ``owner`` instead (``request.jobs[2]``)."""
-        return FieldError(owner, self.field, self.message)
-
-
-@contextmanager
-def field_scope(owner: str) -> Iterator[None]:
-    """Renames a ``FieldError`` raised inside to sit below ``owner``::
-
-    with field_scope(f"request.jobs[{i}]"):
-        job = Job(...)          # a NaN weight raises "request.jobs[2].weight: ..."
-    """
-    try:
-        yield
-    except FieldError as exc:
-        raise exc.within(owner) from None
-
-
-def _fail(where: str, name: str, message: str) -> None:
-    raise FieldError(where, name, message)
-
-
-def _check_id(where: str, name: str, value: object) -> None:
-    if not isinstance(value, str) or not value:
-        _fail(where, name, f"must be a non-empty string, got {value!r}")
-
-
-def _check_int(where: str, name: str, value: object, minimum: int) -> None:
-    # bool is an int subclass; True as a slot count is always a caller bug.
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        _fail(where, name, f"must be an int >= {minimum}, got {value!r}")
-
-
-def _check_float(where: str, name: str, value: object, *, positive: bool = False) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if ok and (value > 0 if positive else value >= 0):  # type: ignore[operator]
-        return
-    _fail(where, name, f"must be a finite number {'>' if positive else '>='} 0, got {value!r}")
-
-
-def _check_bool(where: str, name: str, value: object) -> None:
-    if not isinstance(value, bool):
-        _fail(where, name, f"must be a bool, got {value!r}")
-
-
 @dataclass(frozen=True)
 class Node:
     """A node as the planner sees it. ``failure_domain`` is carried but not used yet."""
@@ -144,11 +88,11 @@ class Node:
 
     def __post_init__(self) -> None:
         where = f"Node({self.node_id!r})"
-        _check_id(where, "node_id", self.node_id)
-        _check_int(where, "slots", self.slots, 0)
-        _check_bool(where, "healthy", self.healthy)
+        check_id(where, "node_id", self.node_id)
+        check_int(where, "slots", self.slots, 0)
+        check_bool(where, "healthy", self.healthy)
         if not isinstance(self.failure_domain, str):
-            _fail(where, "failure_domain", f"must be a string, got {self.failure_domain!r}")
+            fail(where, "failure_domain", f"must be a string, got {self.failure_domain!r}")
 
 
 @dataclass(frozen=True)
@@ -168,8 +112,8 @@ class Transition:
 
     def __post_init__(self) -> None:
         for name in ("restart_s", "resize_s", "migrate_s", "state_bytes"):
-            _check_float("Transition", name, getattr(self, name))
-        _check_float("Transition", "bandwidth_bytes_per_s", self.bandwidth_bytes_per_s, positive=True)
+            check_float("Transition", name, getattr(self, name))
+        check_float("Transition", "bandwidth_bytes_per_s", self.bandwidth_bytes_per_s, positive=True)
 
     def seconds(self, kind: str) -> float:
         """D_trans for ``kind`` ("restart", "resize", "migrate"): the cheapest of that kind and
@@ -214,12 +158,12 @@ class ThroughputEstimate:
 
     def __post_init__(self) -> None:
         for name in ("parameters", "tokens_per_step", "gpu_peak_flops", "mfu", "dp_bandwidth_bytes_per_s"):
-            _check_float("ThroughputEstimate", name, getattr(self, name), positive=True)
-        _check_float("ThroughputEstimate", "exposed_comm", self.exposed_comm)
+            check_float("ThroughputEstimate", name, getattr(self, name), positive=True)
+        check_float("ThroughputEstimate", "exposed_comm", self.exposed_comm)
         if self.mfu > 1:
-            _fail("ThroughputEstimate", "mfu", f"must be at most 1, got {self.mfu!r}")
+            fail("ThroughputEstimate", "mfu", f"must be at most 1, got {self.mfu!r}")
         if self.exposed_comm > 1:
-            _fail("ThroughputEstimate", "exposed_comm", f"must be at most 1, got {self.exposed_comm!r}")
+            fail("ThroughputEstimate", "exposed_comm", f"must be at most 1, got {self.exposed_comm!r}")
 
     def flops(self, tensor_parallel: int, pipeline_parallel: int, x: int) -> float:
         """Estimated achieved FLOP/s on ``x`` GPUs (x a multiple of TP x PP)."""
@@ -259,34 +203,34 @@ class Job:
 
     def __post_init__(self) -> None:
         where = f"Job({self.job_id!r})"
-        _check_id(where, "job_id", self.job_id)
-        _check_float(where, "weight", self.weight, positive=True)
+        check_id(where, "job_id", self.job_id)
+        check_float(where, "weight", self.weight, positive=True)
         for name in ("tensor_parallel", "pipeline_parallel", "min_dp", "max_dp"):
-            _check_int(where, name, getattr(self, name), 1)
+            check_int(where, name, getattr(self, name), 1)
         if self.min_dp > self.max_dp:
-            _fail(where, "min_dp", f"{self.min_dp} exceeds max_dp {self.max_dp}")
+            fail(where, "min_dp", f"{self.min_dp} exceeds max_dp {self.max_dp}")
         for name in ("hit_by_failure", "preemptible", "pinned"):
-            _check_bool(where, name, getattr(self, name))
+            check_bool(where, name, getattr(self, name))
         if not isinstance(self.transition, Transition):
-            _fail(where, "transition", f"must be a Transition, got {self.transition!r}")
+            fail(where, "transition", f"must be a Transition, got {self.transition!r}")
         if self.estimate is not None and not isinstance(self.estimate, ThroughputEstimate):
-            _fail(where, "estimate", f"must be None or a ThroughputEstimate, got {self.estimate!r}")
+            fail(where, "estimate", f"must be None or a ThroughputEstimate, got {self.estimate!r}")
         if self.throughput is not None:
             if not isinstance(self.throughput, Mapping) or not self.throughput:
-                _fail(where, "throughput", "must be None or a non-empty mapping size -> FLOP/s")
+                fail(where, "throughput", "must be None or a non-empty mapping size -> FLOP/s")
             sizes = set(_parallel_sizes(self))
             for size, flops in self.throughput.items():
-                _check_int(where, f"throughput[{size!r}] (key)", size, 1)
+                check_int(where, f"throughput[{size!r}] (key)", size, 1)
                 if size not in sizes:
-                    _fail(where, f"throughput[{size}]", "size is not TP*PP*DP with DP in [min_dp, max_dp]")
-                _check_float(where, f"throughput[{size}]", flops, positive=True)
+                    fail(where, f"throughput[{size}]", "size is not TP*PP*DP with DP in [min_dp, max_dp]")
+                check_float(where, f"throughput[{size}]", flops, positive=True)
             # A private copy: the caller's dict must not change a frozen job behind our back.
             object.__setattr__(self, "throughput", dict(self.throughput))
         if not isinstance(self.current, Mapping):
-            _fail(where, "current", f"must be a mapping node_id -> slots, got {self.current!r}")
+            fail(where, "current", f"must be a mapping node_id -> slots, got {self.current!r}")
         for node_id, slots in self.current.items():
-            _check_id(where, "current (key)", node_id)
-            _check_int(where, f"current[{node_id!r}]", slots, 1)
+            check_id(where, "current (key)", node_id)
+            check_int(where, f"current[{node_id!r}]", slots, 1)
         object.__setattr__(self, "current", dict(self.current))
 
     @property
@@ -323,22 +267,22 @@ class PlanRequest:
         for name, kind in (("nodes", Node), ("jobs", Job)):
             items = getattr(self, name)
             if not isinstance(items, Sequence) or isinstance(items, str):
-                _fail(where, name, f"must be a sequence of {kind.__name__}")
+                fail(where, name, f"must be a sequence of {kind.__name__}")
             for i, item in enumerate(items):
                 if not isinstance(item, kind):
-                    _fail(where, f"{name}[{i}]", f"must be a {kind.__name__}, got {item!r}")
+                    fail(where, f"{name}[{i}]", f"must be a {kind.__name__}, got {item!r}")
             object.__setattr__(self, name, tuple(items))
-        _check_float(where, "failure_rate_per_node_per_s", self.failure_rate_per_node_per_s)
-        _check_float(where, "time_limit_s", self.time_limit_s, positive=True)
+        check_float(where, "failure_rate_per_node_per_s", self.failure_rate_per_node_per_s)
+        check_float(where, "time_limit_s", self.time_limit_s, positive=True)
         if self.max_changed_jobs is not None:
-            _check_int(where, "max_changed_jobs", self.max_changed_jobs, 0)
-        _check_int(where, "seed", self.seed, 0)
+            check_int(where, "max_changed_jobs", self.max_changed_jobs, 0)
+        check_int(where, "seed", self.seed, 0)
         if self.seed >= 2**31:
-            _fail(where, "seed", f"must be below 2**31 (CP-SAT's seed is a 32-bit int), got {self.seed}")
-        _check_int(where, "workers", self.workers, 1)
-        _check_float(where, "relative_gap", self.relative_gap)
+            fail(where, "seed", f"must be below 2**31 (CP-SAT's seed is a 32-bit int), got {self.seed}")
+        check_int(where, "workers", self.workers, 1)
+        check_float(where, "relative_gap", self.relative_gap)
         if self.relative_gap >= 1:
-            _fail(where, "relative_gap", f"must be below 1, got {self.relative_gap!r}")
+            fail(where, "relative_gap", f"must be below 1, got {self.relative_gap!r}")
 
 
 @dataclass(frozen=True)
@@ -357,9 +301,9 @@ class JobPlan:
 
     def __post_init__(self) -> None:
         where = f"JobPlan({self.job_id!r})"
-        _check_id(where, "job_id", self.job_id)
+        check_id(where, "job_id", self.job_id)
         if sum(self.slots_by_node.values()) != self.size:
-            _fail(where, "size", f"{self.size} differs from the sum of slots_by_node")
+            fail(where, "size", f"{self.size} differs from the sum of slots_by_node")
 
 
 @dataclass(frozen=True)
@@ -383,7 +327,7 @@ class PlanResult:
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
-            _fail("PlanResult", "status", f"must be one of {STATUSES}, got {self.status!r}")
+            fail("PlanResult", "status", f"must be one of {STATUSES}, got {self.status!r}")
         object.__setattr__(self, "jobs", tuple(self.jobs))
 
 
@@ -438,24 +382,24 @@ def validate(request: PlanRequest) -> None:
     nodes: dict[str, Node] = {}
     for i, node in enumerate(request.nodes):
         if node.node_id in nodes:
-            _fail("request", f"nodes[{i}].node_id", f"duplicate node id {node.node_id!r}")
+            fail("request", f"nodes[{i}].node_id", f"duplicate node id {node.node_id!r}")
         nodes[node.node_id] = node
     job_ids: set[str] = set()
     used = dict.fromkeys(nodes, 0)
     for i, job in enumerate(request.jobs):
         if job.job_id in job_ids:
-            _fail("request", f"jobs[{i}].job_id", f"duplicate job id {job.job_id!r}")
+            fail("request", f"jobs[{i}].job_id", f"duplicate job id {job.job_id!r}")
         job_ids.add(job.job_id)
         for node_id, slots in job.current.items():
             where = f"jobs[{i}].current[{node_id!r}]"
             if node_id not in nodes:
-                _fail("request", where, f"unknown node {node_id!r}")
+                fail("request", where, f"unknown node {node_id!r}")
             node = nodes[node_id]
             if node.healthy and slots > node.slots:
-                _fail("request", where, f"{slots} slots on node {node_id!r}, which has {node.slots}")
+                fail("request", where, f"{slots} slots on node {node_id!r}, which has {node.slots}")
             used[node_id] += slots
             if node.healthy and used[node_id] > node.slots:
-                _fail("request", where, f"jobs hold {used[node_id]} slots on node {node_id!r}, which has {node.slots}")
+                fail("request", where, f"jobs hold {used[node_id]} slots on node {node_id!r}, which has {node.slots}")
     _check_finite_values(request)
 
 
@@ -469,12 +413,12 @@ def _check_finite_values(request: PlanRequest) -> None:
         for kind in ("restart", "resize", "migrate"):
             seconds = job.transition.seconds(kind)
             if not math.isfinite(seconds):
-                _fail("request", f"jobs[{i}].transition", f"a {kind} takes {seconds} seconds, not a finite number")
+                fail("request", f"jobs[{i}].transition", f"a {kind} takes {seconds} seconds, not a finite number")
             longest = max(longest, seconds)
         for x in allowed_sizes(job):
             value = weighted_throughput(job, x)
             if not math.isfinite(value * longest):
-                _fail(
+                fail(
                     "request",
                     f"jobs[{i}]",
                     f"weight x throughput at {x} slots ({value}) over {longest:g} s is not a finite number",

@@ -311,3 +311,34 @@ def test_a_lost_node_is_replanned_away_without_redis(cluster: tuple[Coordinator,
     assert lost not in decide.nodes_of(moved) and moved.assignment.world_size == 2
     assert moved.state == state.RECOVERING and moved.assignment.generation > job.assignment.generation
     assert {i.kind for i in coordinator.list_incidents()} == {pb.FAILURE_KIND_NODE_LOST}
+
+
+def test_a_peers_network_error_after_a_reconfigure_began_heals_nothing_twice(
+    cluster: tuple[Coordinator, MemoryStore, Clock],
+) -> None:
+    """An ECC error isolates rank 0's node (a reconfigure, same generation until the re-plan);
+    rank 1 then sees its peer go (a reset). The reset joins the incident: it must not open a
+    second one whose remedy would isolate rank 1's healthy node too."""
+    coordinator, _, clock = cluster
+    coordinator.register_node("n3", "10.9.0.3:7000", 1, "rack-b")
+    job = submit_and_place(coordinator)
+    iterate(coordinator, job, 1, range(2))
+    (bad, peer) = (w.node_id for w in job.assignment.workers)
+    ecc = report(pb.FAILURE_KIND_ECC_ERROR, 0, pb.DETECTION_SOURCE_NODE_HEALTH)
+    ecc.job_id, ecc.node_id = job.job_id, bad
+    coordinator.report_failure(bad, ecc)
+    assert [r.remedy for r in coordinator.get(job.job_id).remedies] == [pb.REMEDY_RECONFIGURE]
+    clock.now += 0.5
+    echo = report(RESET, 1)
+    echo.job_id, echo.node_id = job.job_id, peer
+    echo.first_seen.FromNanoseconds(int(clock.now * 1e9))
+    joined = coordinator.report_failure(peer, echo)
+    clock.now += 1.0
+    coordinator.reconcile_once()
+    moved = coordinator.get(job.job_id)
+    assert [r.remedy for r in moved.remedies] == [pb.REMEDY_RECONFIGURE]
+    (incident,) = coordinator.list_incidents(job.job_id)
+    assert joined is not None and joined.incident_id == incident.incident_id and len(incident.reports) == 2
+    states = {n.node_id: n.state for n in coordinator.nodes()}
+    assert states[bad] == pb.NODE_STATE_ISOLATED and states[peer] == pb.NODE_STATE_READY
+    assert bad not in decide.nodes_of(moved) and moved.assignment.generation == 2

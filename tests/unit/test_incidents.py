@@ -84,13 +84,18 @@ def test_reattempt_is_ruled_out_by_a_dead_rank_or_a_heavier_root() -> None:
     assert not incidents.ranks_alive(crash) and incidents.needs_heavier_remedy(crash)
 
 
-def test_a_failure_after_the_remedy_began_is_a_new_incident() -> None:
+def test_a_failure_after_the_remedy_began_is_a_new_incident_and_an_echo_is_not() -> None:
     incident = build(report(pb.FAILURE_KIND_COLLECTIVE_TIMEOUT, pb.DETECTION_SOURCE_EXCEPTION, 1.0, rank=0))
     incident.remedy_started.FromNanoseconds(int(2.0 * 1e9))
-    before = report(pb.FAILURE_KIND_CONNECTION_RESET, pb.DETECTION_SOURCE_EXCEPTION, 1.5, rank=1)
-    after = report(pb.FAILURE_KIND_CONNECTION_RESET, pb.DETECTION_SOURCE_EXCEPTION, 2.5, rank=1)
+    before = report(pb.FAILURE_KIND_SOFTWARE_ERROR, pb.DETECTION_SOURCE_EXCEPTION, 1.5, rank=1)
+    after = report(pb.FAILURE_KIND_SOFTWARE_ERROR, pb.DETECTION_SOURCE_EXCEPTION, 2.5, rank=1)
     assert incidents.is_open(incident, 3.0, before)
     assert not incidents.is_open(incident, 3.0, after)
+    # A network error of the same generation, however late, is how the failure (or its
+    # remedy: the old group torn down, a node isolated) looks from a peer: it joins, and
+    # never opens an incident of its own that a second remedy would answer.
+    echo = report(pb.FAILURE_KIND_CONNECTION_RESET, pb.DETECTION_SOURCE_EXCEPTION, 2.5, rank=1)
+    assert incidents.is_open(incident, 3.0, echo)
     # The reporting rank's own exit, however late, is the end of the failure it reported.
     assert incidents.is_open(incident, 3.0, report(pb.FAILURE_KIND_PROCESS_EXIT, EXIT, 2.5, rank=0))
     assert not incidents.is_open(incident, 3.0, report(pb.FAILURE_KIND_PROCESS_EXIT, EXIT, 2.5, rank=1))
