@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 GEN_STAMP := unicron/v1/.generated
 PROTOS := $(wildcard proto/unicron/v1/*.proto)
 
-.PHONY: all venv gen redis demo certs test test-unit lint fmt clean bench-planner bench-detect bench-transition bench-sim bench-load compose-test deploy-lock
+.PHONY: all venv gen redis demo certs test test-unit test-cluster lint fmt clean bench-planner bench-detect bench-transition bench-sim bench-load compose-test deploy-lock
 
 all: test
 
@@ -46,10 +46,15 @@ test: gen redis
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
-	$(PY) -m pytest -q -ra --durations=15
+	$(PY) -m pytest -q -ra --durations=15 -m "not cluster"
 
 test-unit: gen
-	$(PY) -m pytest -q -m "not integration and not e2e"
+	$(PY) -m pytest -q -m "not integration and not e2e and not cluster"
+
+# Jobs across network-namespace hosts and the faults of a real network (needs root).
+test-cluster: gen redis
+	@scripts/ensure-netns.sh
+	$(PY) -m pytest -q -ra --durations=10 -m cluster tests/cluster
 
 # Benchmarks write bench/results/*.json and print a table; they are measurements, not tests.
 bench-planner: gen

@@ -6,6 +6,7 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import redis
@@ -31,13 +32,19 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class LocalRedis:
-    """A redis-server child process on 127.0.0.1 with the append-only file on and synced
-    on every write, so a restart of Redis, even after SIGKILL, loses nothing."""
+    """A redis-server child process (on 127.0.0.1 unless told) with the append-only file on
+    and synced on every write, so a restart of Redis, even after SIGKILL, loses nothing."""
 
-    def __init__(self, data_dir: Path, port: int | None = None) -> None:
+    def __init__(
+        self, data_dir: Path, port: int | None = None, host: str = "127.0.0.1", prefix: Sequence[str] = ()
+    ) -> None:
+        """`host`: the address it binds; `prefix`: what its command line runs under (say
+        `ip netns exec <namespace>`, for a test host)."""
         self.data_dir = data_dir
-        self.port = port or free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.host = host
+        self.port = port or (free_port() if host == "127.0.0.1" else 6379)
+        self.url = f"redis://{host}:{self.port}/0"
+        self._prefix = list(prefix)
         self._proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout_s: float = 10.0) -> LocalRedis:
@@ -47,9 +54,10 @@ class LocalRedis:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self._proc = subprocess.Popen(
             [
+                *self._prefix,
                 binary,
                 "--bind",
-                "127.0.0.1",
+                self.host,
                 "--port",
                 str(self.port),
                 "--dir",
@@ -62,8 +70,10 @@ class LocalRedis:
                 "always",
                 "--save",
                 "",
+                # Protected mode refuses every client not on loopback: on a test host's own
+                # address (only its namespaces reach it) it would refuse the whole cluster.
                 "--protected-mode",
-                "yes",
+                "yes" if self.host == "127.0.0.1" else "no",
                 "--logfile",
                 str(self.data_dir / "redis.log"),
             ],

@@ -29,6 +29,7 @@ from unicron.errors import FailedPrecondition, Unavailable
 from unicron.redisutil import LocalRedis, free_port
 from unicron.security import ClientSecurity, load_tls
 from unicron.v1 import common_pb2
+from unicron_dev.netns import Host
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -201,9 +202,11 @@ class LocalCluster:
         try:
             if self.secure:
                 nodes = [self._node_id(i) for i in range(self.agents)]
-                self.pki = create_dev_pki(self.run_dir / "certs", nodes=nodes, users=self.USERS)
+                self.pki = create_dev_pki(
+                    self.run_dir / "certs", nodes=nodes, users=self.USERS, hosts=self._certificate_hosts()
+                )
             if self.redis_url is None:
-                self._redis = LocalRedis(self.run_dir / "redis").start()
+                self._redis = self._new_redis().start()
                 self.redis_url = self._redis.url
             planner_addresses = [self._spawn(f"planner-{i}", "services.planner", []) for i in range(self.planners)]
             self._wait_ready(planner_addresses, timeout_s)
@@ -249,7 +252,7 @@ class LocalCluster:
                         str(self.run_dir / "snapshots" / node_id),
                         *self.agent_args,
                     ],
-                    bind="127.0.0.1:0",
+                    port=0,
                 )
         except BaseException:
             self.stop()
@@ -260,13 +263,38 @@ class LocalCluster:
     def _node_id(index: int) -> str:
         return f"node-{chr(ord('a') + index)}"
 
-    def _spawn(self, name: str, module: str, args: list[str], bind: str | None = None) -> str:
-        address = bind or f"127.0.0.1:{free_port()}"
+    # ---- where services run: hooks for unicron_dev.netcluster -------------------------
+
+    def _host(self, name: str) -> Host | None:
+        """The namespace host service `name` runs on; None: this machine's 127.0.0.1."""
+        return None
+
+    def _certificate_hosts(self) -> list[str]:
+        """Addresses the services' certificates name besides localhost and 127.0.0.1."""
+        return []
+
+    def _new_redis(self) -> LocalRedis:
+        return LocalRedis(self.run_dir / "redis")
+
+    def _spawn(self, name: str, module: str, args: list[str], port: int | None = None) -> str:
+        """Starts a service; `port` None picks a free one, 0 lets the service bind any."""
+        host = self._host(name)
+        ip = host.address if host is not None else "127.0.0.1"
+        if port is None:
+            port = free_port() if host is None else self._fresh_port(host)
+        address = f"{ip}:{port}"
         argv = [sys.executable, "-m", module, "--bind", address, *self._tls_args(name), *args]
+        if host is not None:
+            argv = host.argv(argv)
         self.services.append(
             Service(name, address, self._popen(argv, self.run_dir / f"{name}.log"), self.run_dir / f"{name}.log", argv)
         )
         return address
+
+    def _fresh_port(self, host: Host) -> int:
+        """A port no service of this cluster uses on `host` (a namespace holds nothing else)."""
+        used = {int(s.address.rpartition(":")[2]) for s in self.services if s.address.startswith(f"{host.address}:")}
+        return next(port for port in range(50100, 51000) if port not in used)
 
     def _popen(self, argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.extra_env}

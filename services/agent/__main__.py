@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import ipaddress
 import logging
 import os
 import socket
@@ -10,6 +11,8 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+import psutil
 
 from services.agent.agent import Agent, AgentSettings, serve
 from services.agent.health import default_checks
@@ -29,6 +32,14 @@ _MONITOR_DEFAULTS = MonitorSettings()
 class AgentConfig(TLSConfig):
     node_id: str = socket.gethostname()
     bind: str = "127.0.0.1:0"
+    # The host (an IP or name) that the coordinator, peers and trainers reach this agent at,
+    # and rank 0's rendezvous address when a rank 0 runs here: the host's address on the data
+    # network. Default: the bind address's host; required with a wildcard bind (0.0.0.0).
+    advertise: str = ""
+    # The network interface the trainers' collectives use (GLOO_SOCKET_IFNAME,
+    # NCCL_SOCKET_IFNAME): the data network, not whichever one the hostname resolves to.
+    # Default: the interface holding the advertised address (none for a loopback one).
+    data_interface: str = ""
     coordinator: str = "127.0.0.1:50051"
     slots: int = 2
     # The node's GPUs, one per slot, each trainer seeing only its slot's (CUDA_VISIBLE_DEVICES):
@@ -72,6 +83,12 @@ class AgentConfig(TLSConfig):
             read_token_file("join_token_file", self.join_token_file)
         require(bool(self.node_id), "node_id", "is required")
         require(":" in self.bind, "bind", "must be host:port")
+        host = self.advertise or self.bind.rpartition(":")[0]
+        require(
+            host not in ("0.0.0.0", "::", "[::]", ""),
+            "advertise",
+            f"is required with a wildcard bind ({self.bind}): the address others reach this node at",
+        )
         require(":" in self.coordinator, "coordinator", "must be host:port")
         require(self.slots >= 1, "slots", "must be at least 1")
         require(
@@ -86,6 +103,25 @@ class AgentConfig(TLSConfig):
         require(self.hang_k > 1, "hang_k", "must exceed 1")
         require(self.hang_floor_s > 0, "hang_floor_s", "must be positive")
         require(self.hang_warmup_iterations >= 1, "hang_warmup_iterations", "must be at least 1")
+
+
+def advertised_host(config: AgentConfig) -> str:
+    return config.advertise or config.bind.rpartition(":")[0]
+
+
+def interface_of(host: str) -> str:
+    """The network interface that holds `host` (an IP address); "" for a name, a loopback
+    address, or an address no interface here holds."""
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return ""
+    if ip.is_loopback:
+        return ""
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(address.address.split("%")[0] == str(ip) for address in addresses):
+            return name
+    return ""
 
 
 def snapshot_root(config: AgentConfig, work_dir: Path) -> Path | None:
@@ -154,6 +190,7 @@ def setup(
             health_period_s=config.health_period_s,
             warm_spares=config.warm_spares,
             trainer_env=trainer_env(config),
+            data_interface=config.data_interface or interface_of(advertised_host(config)),
             monitor=MonitorSettings(
                 k=config.hang_k, floor_s=config.hang_floor_s, warmup_iterations=config.hang_warmup_iterations
             ),
@@ -167,7 +204,8 @@ def setup(
         log.warning("fault injection is ENABLED on this agent: faults can be injected into its trainers")
     serve(server, agent)
     log.info("node %s offers %d slots to %s", config.node_id, config.slots, config.coordinator)
-    return lambda: agent.start(server.address)
+    # The bound port (0 asks for any) at the advertised host.
+    return lambda: agent.start(f"{advertised_host(config)}:{server.address.rpartition(':')[2]}")
 
 
 def main(argv: list[str]) -> int:

@@ -74,6 +74,8 @@ class AgentSettings:
     gpus: tuple[str, ...] = ()
     # The container image this agent and its trainers run in ("" when none is named).
     image: str = ""
+    # The interface the trainers' collectives use ("": the libraries' own choice).
+    data_interface: str = ""
 
 
 def trainer_base_env() -> dict[str, str]:

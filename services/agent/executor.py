@@ -146,6 +146,10 @@ class CommandExecutor:
             if key in p.supervisor.running(start.job_id) or (only is not None and rank not in only):
                 continue  # a replayed command after a reconnect, or a rank kept alive
             env = p.base_env()
+            if settings.data_interface:
+                # Collectives over the data network, unless the job's environment says otherwise.
+                env.setdefault("GLOO_SOCKET_IFNAME", settings.data_interface)
+                env.setdefault("NCCL_SOCKET_IFNAME", settings.data_interface)
             env.update(settings.trainer_env)
             env.update(
                 trainer_env(

@@ -4,13 +4,16 @@ and at the end check that stopping it left no process behind."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TypeVar
 
 import psutil
 
 from unicron_dev.localcluster import LocalCluster
 
+C = TypeVar("C", bound=LocalCluster)
 
-def running(local: LocalCluster) -> Iterator[LocalCluster]:
+
+def running(local: C) -> Iterator[C]:
     """Yields the started cluster once all its agents are READY; stops it even when the
     test module fails, and asserts nothing outlived it."""
     local.start()

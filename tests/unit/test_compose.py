@@ -101,6 +101,9 @@ def test_every_unicron_service_is_one_image_with_its_required_settings() -> None
     # Every agent of the stack shares one checkpoint volume: a job's nodes read one directory.
     agents = [s for s in services.values() if s.get("command") == ["agent"]]
     assert all("checkpoints:/var/lib/unicron/checkpoints" in a["volumes"] for a in agents)
+    # Each agent a host of its own, advertising the name the others reach it at.
+    assert not [a for a in agents if str(a.get("network_mode", "")).startswith("service:")]
+    assert all(a["environment"].get("UNICRON_AGENT_ADVERTISE") for a in agents)
 
 
 def test_host_override_puts_everything_on_127_0_0_1() -> None:

@@ -99,3 +99,14 @@ def test_the_trainer_environment_reads_back_as_written() -> None:
     assert {name: getattr(config, name) for name in written} == written
     with pytest.raises(ValueError, match="no setting 'rnak'"):
         trainer_env(rnak=1)
+
+
+def test_an_agent_advertises_its_bind_host_and_needs_one_for_a_wildcard_bind() -> None:
+    from services.agent.__main__ import AgentConfig, advertised_host, interface_of
+
+    assert advertised_host(AgentConfig(plaintext=True, bind="10.1.2.3:0")) == "10.1.2.3"
+    assert advertised_host(AgentConfig(plaintext=True, bind="0.0.0.0:7000", advertise="10.1.2.3")) == "10.1.2.3"
+    with pytest.raises(InvalidArgument, match="advertise"):
+        AgentConfig(plaintext=True, bind="0.0.0.0:7000")
+    # Loopback, names and addresses no interface holds name no data interface.
+    assert interface_of("127.0.0.1") == interface_of("node-a") == interface_of("192.0.2.77") == ""
