@@ -8,29 +8,19 @@ import json
 import socket
 import struct
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from services.agent.supervisor import REGISTRY_FILE
 from tests.cluster.conftest import record
+from tests.e2e.conftest import wait_for
 from unicron.client import UnicronClient
 from unicron.v1 import common_pb2
 from unicron_dev.localcluster import tiny_gpt
 from unicron_dev.netcluster import NetCluster
 
 pytestmark = pytest.mark.cluster
-
-
-def wait_for(
-    client: UnicronClient, name: str, done: Callable[[common_pb2.Job], bool], what: str, timeout_s: float = 180
-) -> common_pb2.Job:
-    deadline = time.monotonic() + timeout_s
-    while not done(job := client.get(name)):
-        assert time.monotonic() < deadline, f"{name}: {what} (state {job.state}, {job.reason})"
-        time.sleep(0.2)
-    return job
 
 
 def elastic(name: str, iterations: int) -> common_pb2.JobSpec:
@@ -42,7 +32,7 @@ def elastic(name: str, iterations: int) -> common_pb2.JobSpec:
 
 
 def succeeded_once(client: UnicronClient, name: str) -> common_pb2.Job:
-    job = wait_for(client, name, lambda j: j.state == common_pb2.JOB_STATE_SUCCEEDED, "did not succeed")
+    job = wait_for(client, name, lambda j: j.state == common_pb2.JOB_STATE_SUCCEEDED, "did not succeed", 180)
     ends = [h for h in job.history if h.state == common_pb2.JOB_STATE_SUCCEEDED]
     assert len(ends) == 1, job.history
     return job

@@ -3,11 +3,14 @@ and at the end check that stopping it left no process behind."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 import psutil
 
+from unicron.client import UnicronClient
+from unicron.v1 import common_pb2
 from unicron_dev.localcluster import LocalCluster
 
 C = TypeVar("C", bound=LocalCluster)
@@ -26,3 +29,13 @@ def running(local: C) -> Iterator[C]:
         leftovers = local.stop()
         assert leftovers == [], "processes outlived their service's shutdown"
         assert not [pid for pid in services if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+
+
+def wait_for(
+    client: UnicronClient, name: str, done: Callable[[common_pb2.Job], bool], what: str, timeout_s: float = 120
+) -> common_pb2.Job:
+    deadline = time.monotonic() + timeout_s
+    while not done(job := client.get(name)):
+        assert time.monotonic() < deadline, f"{name}: {what} (state {job.state}, {job.reason})"
+        time.sleep(0.2)
+    return job

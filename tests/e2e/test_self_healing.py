@@ -14,14 +14,14 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from services.coordinator import decide
-from tests.e2e.conftest import running
+from tests.e2e.conftest import running, wait_for
 from unicron import jobspec
 from unicron.client import UnicronClient
 from unicron.v1 import common_pb2
@@ -74,16 +74,6 @@ def spec(
     out.training.global_batch_size = 12
     out.training.micro_batch_size = 1
     return jobspec.normalized(out)
-
-
-def wait_for(
-    client: UnicronClient, name: str, done: Callable[[common_pb2.Job], bool], what: str, timeout_s: float = 120
-) -> common_pb2.Job:
-    deadline = time.monotonic() + timeout_s
-    while not done(job := client.get(name)):
-        assert time.monotonic() < deadline, f"{name}: {what} (state {job.state}, {job.reason})"
-        time.sleep(0.2)
-    return job
 
 
 def trains_on(client: UnicronClient, name: str, timeout_s: float = 120) -> common_pb2.Job:
