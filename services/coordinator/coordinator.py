@@ -44,7 +44,7 @@ class Coordinator:
         monitors = Monitors(self.ctx)
         self.registry = NodeRegistry(self.ctx, joined=lambda reason: self.replanner.want(reason))
         self.replanner = Replanner(self.ctx, planner, self.registry)
-        self.healer = Healer(self.ctx, self.replanner, forget_job=monitors.forget)
+        self.healer = Healer(self.ctx, self.replanner, forget_job=monitors.forget, nodes=self.registry.nodes)
         self.reports = Reports(self.ctx, self.healer, self.replanner, monitors)
         self.jobs = Jobs(self.ctx, self.registry, self.replanner)
         self.reconciler = Reconciler(self.ctx, self.registry, self.healer, self.replanner)

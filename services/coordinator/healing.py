@@ -23,9 +23,17 @@ log = logging.getLogger(__name__)
 
 
 class Healer:
-    def __init__(self, ctx: Context, replanner: Replanner, forget_job: Callable[[str], None]) -> None:
-        """`forget_job(job_id)` drops what is kept in memory about a job that ended."""
+    def __init__(
+        self,
+        ctx: Context,
+        replanner: Replanner,
+        forget_job: Callable[[str], None],
+        nodes: Callable[[], list[common_pb2.Node]],
+    ) -> None:
+        """`forget_job(job_id)` drops what is kept in memory about a job that ended; `nodes()`
+        lists the nodes with their last heartbeats (registry.NodeRegistry.nodes)."""
         self._ctx = ctx
+        self._nodes = nodes
         self._replanner = replanner
         self._forget_job = forget_job
         # One report at a time (see record); reentrant: a remedy that isolates a node records
@@ -71,7 +79,11 @@ class Healer:
             failure = event(job, EventType.JOB_EVENT_TYPE_FAILURE, now, incident.summary, failure_kind=incident.kind)
             failure.incident_id = incident.incident_id
             store.append_event(job.job_id, failure)
-        verdict = intake.route(incident, created, job.assignment.world_size if job is not None else 0)
+        world_size = job.assignment.world_size if job is not None else 0
+        silent: frozenset[str] = frozenset()
+        if incident.kind == common_pb2.FAILURE_KIND_TASK_HANG and job is not None:
+            silent = self._silent_nodes(job, incident.first_seen.ToNanoseconds() / 1e9)
+        verdict = intake.route(incident, created, world_size, silent)
         if verdict.route == intake.Route.HOLD and created:
             # Decided by the reconcile step after the hold (decide_held).
             threading.Timer(incidents.DECISION_HOLD_S, self._ctx.wake.set).start()
@@ -139,13 +151,30 @@ class Healer:
     def decide_held(self, now: float) -> None:
         """Responds to the incidents whose hold is over (also after a restart of the
         coordinator, which finds them undecided in the store)."""
-        store = self._ctx.store
+        store, timeout_s = self._ctx.store, self._ctx.settings.heartbeat_timeout_s
         for incident in store.list_incidents(limit=50):
-            if intake.hold_is_over(incident, now):
+            silent: frozenset[str] = frozenset()
+            if incident.kind == common_pb2.FAILURE_KIND_TASK_HANG and incident.remedy == common_pb2.REMEDY_UNSPECIFIED:
+                since = incident.first_seen.ToNanoseconds() / 1e9
+                silent = self._silent_nodes(store.get_job(incident.job_id), since) if incident.job_id else frozenset()
+            if intake.hold_is_over(incident, now, silent, timeout_s):
                 with self._lock:
                     current = store.get_incident(incident.incident_id)
                     if current is not None and current.remedy == common_pb2.REMEDY_UNSPECIFIED:
                         self._respond(current)
+
+    def _silent_nodes(self, job: common_pb2.Job, since: float) -> frozenset[str]:
+        """The job's READY nodes not heard from since `since` (when its hang began): a hang
+        of a job whose every node still beats is its own; one of a job with a node gone
+        quiet is more likely that node's loss, which its heartbeat timeout will tell."""
+        mine = set(decide.nodes_of(job))
+        return frozenset(
+            n.node_id
+            for n in self._nodes()
+            if n.node_id in mine
+            and n.state == common_pb2.NODE_STATE_READY
+            and n.last_heartbeat.ToNanoseconds() / 1e9 < since
+        )
 
     # ---- remedies ---------------------------------------------------------------------
 

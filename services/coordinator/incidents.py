@@ -55,9 +55,12 @@ def accounts_for_all(incident: pb.Incident, world_size: int) -> bool:
 def _root(reports: list[pb.FailureReport]) -> pb.FailureReport:
     """The report that explains the others. The earliest, except that (1) a network error
     is explained by a rank's death or a node's loss seen within CONSEQUENCE_WINDOW_S of it,
-    and (2) a rank's own exception explains that rank's exit."""
+    (2) a hang is explained by the loss of one of the job's nodes (the job stopped because the
+    node did), and (3) a rank's own exception explains that rank's exit."""
     ordered = sorted(reports, key=lambda r: _seconds(r.first_seen))
     root = ordered[0]
+    if root.kind == pb.FAILURE_KIND_TASK_HANG:
+        root = next((r for r in ordered if r.kind == pb.FAILURE_KIND_NODE_LOST), root)
     if root.kind in _CONSEQUENCES:
         horizon = _seconds(root.first_seen) + CONSEQUENCE_WINDOW_S
         causes = [r for r in ordered if r.kind not in _CONSEQUENCES and _seconds(r.first_seen) <= horizon]

@@ -33,12 +33,21 @@ class NoOpenIncident(Exception):
     """Raised by `merge_update` when the report may only join an open incident and none is."""
 
 
-def route(incident: common_pb2.Incident, created: bool, world_size: int) -> Verdict:
+def route(
+    incident: common_pb2.Incident, created: bool, world_size: int, silent_nodes: frozenset[str] = frozenset()
+) -> Verdict:
     """What to do with an incident a report just joined (`created`: the report opened it).
-    `world_size`: its job's ranks (0 for a node's own incident)."""
+    `world_size`: its job's ranks (0 for a node's own incident); `silent_nodes`: the job's
+    nodes not heard from since its hang began (not yet lost)."""
     if incident.kind == common_pb2.FAILURE_KIND_STRAGGLER:
         return Verdict(Route.IGNORE, "a performance report: the planner may route around it, nothing to heal")
     undecided = bool(incident.job_id) and incident.remedy == common_pb2.REMEDY_UNSPECIFIED
+    if undecided and waits_for_heartbeats(incident, silent_nodes):
+        # A job stops iterating the moment one of its hosts drops off the network, seconds
+        # before that host's heartbeats time out: a hang restart would go back onto the lost
+        # host. Held until each node beats again (at most a heartbeat interval for a real
+        # hang), or is lost: the loss then joins the incident as its root cause.
+        return Verdict(Route.HOLD, f"node {sorted(silent_nodes)[0]} is silent: its heartbeat verdict first")
     if undecided and incidents.holds(incident.kind) and not incidents.accounts_for_all(incident, world_size):
         # A network error is often how a peer's death looks from outside, and a death is
         # best answered once the peers said they wait (then only the dead rank restarts).
@@ -52,16 +61,28 @@ def route(incident: common_pb2.Incident, created: bool, world_size: int) -> Verd
     return Verdict(Route.IGNORE, "joined an incident whose remedy is under way")
 
 
-def hold_is_over(incident: common_pb2.Incident, now: float) -> bool:
+def waits_for_heartbeats(incident: common_pb2.Incident, silent_nodes: frozenset[str]) -> bool:
+    """Whether a hang waits for the heartbeat verdict on a node of its job that is silent."""
+    return incident.kind == common_pb2.FAILURE_KIND_TASK_HANG and bool(silent_nodes)
+
+
+def hold_is_over(
+    incident: common_pb2.Incident,
+    now: float,
+    silent_nodes: frozenset[str] = frozenset(),
+    heartbeat_timeout_s: float = 3.0,
+) -> bool:
     """Whether a held incident is due for its decision (also one a restarted coordinator
-    finds undecided in the store)."""
-    return (
-        bool(incident.job_id)
-        and incident.remedy == common_pb2.REMEDY_UNSPECIFIED
-        and incidents.holds(incident.kind)
-        and now - incident.detected.ToNanoseconds() / 1e9 >= incidents.DECISION_HOLD_S
-        and incidents.is_open(incident, now)
-    )
+    finds undecided in the store): a network error's short hold is over, or a hang's silent
+    node beat again or outlasted the heartbeat timeout (then it is lost, and its loss the
+    root cause), whichever applies."""
+    if not incident.job_id or incident.remedy != common_pb2.REMEDY_UNSPECIFIED or not incidents.is_open(incident, now):
+        return False
+    held_s = now - incident.detected.ToNanoseconds() / 1e9
+    if incident.kind == common_pb2.FAILURE_KIND_TASK_HANG:
+        # Held only while a node is silent; a bound, in case its loss is never recorded.
+        return not silent_nodes or held_s >= heartbeat_timeout_s + 1.0
+    return incidents.holds(incident.kind) and held_s >= incidents.DECISION_HOLD_S
 
 
 def may_open(job: common_pb2.Job, report: common_pb2.FailureReport) -> bool:

@@ -61,6 +61,34 @@ def test_what_a_recorded_report_does(
     assert verdict.route == route and verdict.reason
 
 
+HANG = pb.FAILURE_KIND_TASK_HANG
+STATISTICAL = pb.DETECTION_SOURCE_STATISTICAL
+
+
+@pytest.mark.parametrize(
+    ("silent", "route"),
+    [
+        (frozenset(), intake.Route.RESPOND),  # a hang of its own: restart it
+        (frozenset({"n1"}), intake.Route.HOLD),  # a node of the job is silent: its verdict first
+    ],
+)
+def test_a_hang_waits_for_a_silent_nodes_heartbeat_verdict(silent: frozenset[str], route: intake.Route) -> None:
+    hang = report(HANG, 0, STATISTICAL)
+    assert intake.route(incident_of(hang), True, 2, silent).route == route
+
+
+def test_a_held_hang_is_decided_once_its_node_beats_or_is_lost() -> None:
+    held = incident_of(report(HANG, 0, STATISTICAL))
+    assert not intake.hold_is_over(held, NOW + 1.0, frozenset({"n1"}), heartbeat_timeout_s=3.0)
+    assert intake.hold_is_over(held, NOW + 1.0, frozenset(), heartbeat_timeout_s=3.0)  # it beat again
+    assert intake.hold_is_over(held, NOW + 4.0, frozenset({"n1"}), heartbeat_timeout_s=3.0)  # the bound
+    # The node's loss, when it joins, is the root cause, whichever was seen first.
+    lost = report(pb.FAILURE_KIND_NODE_LOST, 0, pb.DETECTION_SOURCE_HEARTBEAT)
+    lost.ClearField("rank")
+    lost.first_seen.FromNanoseconds(int((NOW + 0.5) * 1e9))
+    assert incident_of(report(HANG, 0, STATISTICAL), lost).kind == pb.FAILURE_KIND_NODE_LOST
+
+
 def test_a_held_incident_is_decided_after_its_hold() -> None:
     held = incident_of(report(RESET, 0))
     assert not intake.hold_is_over(held, NOW + incidents.DECISION_HOLD_S / 2)
@@ -342,3 +370,37 @@ def test_a_peers_network_error_after_a_reconfigure_began_heals_nothing_twice(
     states = {n.node_id: n.state for n in coordinator.nodes()}
     assert states[bad] == pb.NODE_STATE_ISOLATED and states[peer] == pb.NODE_STATE_READY
     assert bad not in decide.nodes_of(moved) and moved.assignment.generation == 2
+
+
+def test_a_job_that_stops_because_a_host_went_silent_is_not_restarted_onto_it(
+    cluster: tuple[Coordinator, MemoryStore, Clock],
+) -> None:
+    """Rank 1's agent reports a hang 1.6 s after rank 0's host went silent (its heartbeats
+    stopped): the hang waits; the host is lost at the heartbeat timeout and its loss is the
+    incident's root cause: one reconfigure, no restart onto the lost host."""
+    coordinator, _, clock = cluster
+    coordinator.register_node("n3", "10.9.0.3:7000", 1, "rack-b")
+    job = submit_and_place(coordinator)
+    iterate(coordinator, job, 1, range(2))
+    (silent, peer) = (w.node_id for w in job.assignment.workers)
+    spare = ({"n1", "n2", "n3"} - {silent, peer}).pop()
+
+    def beat(seconds: float) -> None:
+        clock.now += seconds
+        coordinator.heartbeat(peer)
+        coordinator.heartbeat(spare)
+
+    beat(1.6)
+    hang = report(HANG, 1, STATISTICAL)
+    hang.job_id, hang.node_id = job.job_id, peer
+    hang.first_seen.FromNanoseconds(int(clock.now * 1e9))
+    coordinator.report_failure(peer, hang)
+    coordinator.reconcile_once()
+    assert coordinator.get(job.job_id).remedies == []  # held
+    for _ in range(4):
+        beat(0.5)
+        coordinator.reconcile_once()
+    moved = coordinator.get(job.job_id)
+    assert [r.remedy for r in moved.remedies] == [pb.REMEDY_RECONFIGURE]
+    (incident,) = coordinator.list_incidents(job.job_id)
+    assert incident.kind == pb.FAILURE_KIND_NODE_LOST and silent not in decide.nodes_of(moved)
