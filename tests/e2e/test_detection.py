@@ -134,6 +134,12 @@ def test_a_stopped_trainer_is_a_hang_with_evidence(cluster: LocalCluster) -> Non
         job = start_job(client, "det-hang")
         inject(cluster, job, "hang", rank=1)
         incident, fired = incident_and_fault_time(client, job, timeout_s=60)
+        # A hang's remedy waits until every node of the job beat since the hang began (a
+        # silent node would be a lost one): at most a heartbeat interval, plus a step.
+        deadline = time.monotonic() + 10
+        while incident.remedy == common_pb2.REMEDY_UNSPECIFIED and time.monotonic() < deadline:
+            time.sleep(0.2)
+            incident = next(i for i in client.incidents(job.job_id) if i.incident_id == incident.incident_id)
         client.cancel(job.job_id)
     assert incident.kind == common_pb2.FAILURE_KIND_TASK_HANG
     assert incident.remedy == common_pb2.REMEDY_RESTART
