@@ -122,9 +122,14 @@ def is_open(incident: pb.Incident, now: float, report: pb.FailureReport | None =
       (every remedy but a reconfigure starts a new generation, so such a report is an echo);
     - the exit of a rank that reported in the incident already: it gave up on the error it
       reported, and a loaded machine can take longer to end it than the coordinator takes to
-      decide."""
+      decide.
+
+    A node's loss whose last heartbeat is later than the loss the incident recorded is a
+    new loss (the node came back in between), not more of the same."""
     if now - _seconds(incident.detected) > MERGE_WINDOW_S:
         return False
+    if report is not None and report.kind == pb.FAILURE_KIND_NODE_LOST and not report.job_id:
+        return not report.HasField("first_seen") or _seconds(report.first_seen) <= _seconds(incident.detected)
     if report is None or not incident.HasField("remedy_started") or not report.HasField("first_seen"):
         return True
     if report.kind in _CONSEQUENCES and report.generation == incident.generation:

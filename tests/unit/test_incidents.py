@@ -74,6 +74,14 @@ def test_incidents_close_after_the_merge_window() -> None:
     assert not incidents.is_open(incident, 100.1 + incidents.MERGE_WINDOW_S)
 
 
+def test_a_node_lost_again_after_it_came_back_is_a_new_incident() -> None:
+    # A node-lost report's first_seen is the node's last heartbeat.
+    first = build(report(pb.FAILURE_KIND_NODE_LOST, pb.DETECTION_SOURCE_HEARTBEAT, 1.0, job=""), now=4.0)
+    assert incidents.is_open(first, 5.0, report(pb.FAILURE_KIND_NODE_LOST, pb.DETECTION_SOURCE_HEARTBEAT, 1.0, job=""))
+    again = report(pb.FAILURE_KIND_NODE_LOST, pb.DETECTION_SOURCE_HEARTBEAT, 20.0, job="")
+    assert not incidents.is_open(first, 24.0, again)
+
+
 def test_reattempt_is_ruled_out_by_a_dead_rank_or_a_heavier_root() -> None:
     timeout = build(report(pb.FAILURE_KIND_COLLECTIVE_TIMEOUT, pb.DETECTION_SOURCE_EXCEPTION, 1.0, rank=0))
     assert incidents.ranks_alive(timeout) and not incidents.needs_heavier_remedy(timeout)
