@@ -24,7 +24,7 @@ from pathlib import Path
 
 import psutil
 
-from services.agent import procstat
+from services.agent import peers, procstat
 from services.agent.coordinator_client import CoordinatorClient
 from services.agent.executor import CommandExecutor, Parts
 from services.agent.health import HealthCheck, HealthFinding, run_checks
@@ -43,6 +43,8 @@ log = logging.getLogger(__name__)
 
 MONITOR_PERIOD_S = 0.1
 MIN_MONITOR_WAIT_S = 0.005
+# A check of a job's peers (peers.py) is reused for this long.
+PEER_CHECK_REUSE_S = 1.0
 STACK_WAIT_S = 0.1
 STACK_BYTES = 16 * 1024
 
@@ -129,7 +131,12 @@ class Agent:
             ),
         )
         self.watch = JobWatch(settings.monitor)
-        self.hangs = HangJudge(procstat.ProcessProbe(), lambda job_id: self.supervisor.pids(job_id).values())
+        self._peer_checks: dict[tuple[str, int], tuple[float, tuple[list[str], list[str]]]] = {}
+        self.hangs = HangJudge(
+            procstat.ProcessProbe(),
+            lambda job_id: self.supervisor.pids(job_id).values(),
+            reaches_peers=lambda key: not self._check_peers(key)[0],
+        )
         self.client = CoordinatorClient(
             settings.node_id, coordinator_address, security, self._registration, lambda c: self.executor.execute(c)
         )
@@ -193,7 +200,7 @@ class Agent:
             # Wake when the next hang verdict falls due rather than on the next tick: the
             # tick would add up to a whole period to every hang's detection.
             wait_s = min([MONITOR_PERIOD_S, *(max(MIN_MONITOR_WAIT_S, at - now) for at in due)])
-            self.hangs.sample_cpu(list(progress), now)
+            self.hangs.sample(list(progress), now)
             for finding in findings:
                 if finding.kind == common_pb2.FAILURE_KIND_TASK_HANG:
                     self.hangs.suspect(finding)
@@ -267,8 +274,26 @@ class Agent:
             report.rank = finding.rank
         _stamp(report, finding.first_seen)
         if finding.kind == common_pb2.FAILURE_KIND_TASK_HANG:
+            # Which of the job's nodes this one still reaches tells a host cut off from its
+            # peers from a hang of the program.
+            unreachable, reachable = self._check_peers((finding.job_id, finding.generation))
+            report.unreachable_peers.extend(unreachable)
+            report.reachable_peers.extend(reachable)
             report.stack_trace = self._capture_stacks(finding.job_id)
         self._report(report)
+
+    def _check_peers(self, key: tuple[str, int]) -> tuple[list[str], list[str]]:
+        """The job generation's unreachable and reachable peers (peers.check), reusing a
+        check of the last PEER_CHECK_REUSE_S: the hang verdict that just checked them and
+        the report it leads to ask the same question."""
+        now = time.monotonic()
+        recent = self._peer_checks.get(key)
+        if recent is not None and now - recent[0] < PEER_CHECK_REUSE_S:
+            return recent[1]
+        result = peers.check(self.watch.peers_of(key))
+        self._peer_checks = {k: v for k, v in self._peer_checks.items() if now - v[0] < PEER_CHECK_REUSE_S}
+        self._peer_checks[key] = (now, result)
+        return result
 
     def _report_health(self, finding: HealthFinding) -> None:
         report = common_pb2.FailureReport(

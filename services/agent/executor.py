@@ -121,6 +121,11 @@ class CommandExecutor:
                 apply()
             except OSError as exc:
                 self._ack(command, job_id, generation, f"cannot {action} trainers: {exc}")
+            except Exception as exc:
+                # A command this agent cannot carry out must not end its command stream:
+                # the coordinator hears why, and the next command is still taken.
+                log.exception("command failed", extra={"job_id": job_id, "action": action})
+                self._ack(command, job_id, generation, f"cannot {action} trainers: {type(exc).__name__}: {exc}")
             else:
                 self._ack(command, job_id, generation)
 
@@ -139,8 +144,11 @@ class CommandExecutor:
                 + " and starts no containers"
             )
         ranks = [r for w in assignment.workers if w.node_id == settings.node_id for r in w.ranks]
+        if not ranks:
+            return  # a reform that leaves this node out: its ranks were stopped, none start
         spec_json = json_format.MessageToJson(start.spec, indent=None)
-        p.watch.start(start.job_id, assignment.generation, ranks, start.spec.training.iterations, time.time())
+        peers = {w.node_id: w.address for w in assignment.workers if w.node_id != settings.node_id and w.address}
+        p.watch.start(start.job_id, assignment.generation, ranks, start.spec.training.iterations, time.time(), peers)
         for rank in ranks:
             key = WorkerKey(start.job_id, assignment.generation, rank)
             if key in p.supervisor.running(start.job_id) or (only is not None and rank not in only):

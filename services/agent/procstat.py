@@ -1,5 +1,5 @@
 """What the hang detector reads about a job's trainer processes from /proc and psutil: CPU
-time, run-queue waits, whether a thread is runnable, whether a signal is caught. Small and
+time, bytes written, run-queue waits, whether a thread is runnable, whether a signal is caught. Small and
 side-effect free, so the verdicts in verdicts.py can be fed by a fake in tests."""
 
 from __future__ import annotations
@@ -52,6 +52,14 @@ def status(pid: int) -> str:
         return "gone"
 
 
+def tcp_retransmits(snmp: str) -> int:
+    """RetransSegs from a /proc/net/snmp text (a "Tcp:" line of names, then one of values)."""
+    rows = [line.split()[1:] for line in snmp.splitlines() if line.startswith("Tcp:")]
+    if len(rows) >= 2 and "RetransSegs" in rows[0]:
+        return int(rows[1][rows[0].index("RetransSegs")])
+    return 0
+
+
 class ProcessProbe:
     """The readings of a set of processes (a job's trainers on this node)."""
 
@@ -72,6 +80,28 @@ class ProcessProbe:
             except psutil.Error:
                 pass
         return total
+
+    def written_bytes(self, pids: Iterable[int]) -> int:
+        """Bytes they wrote, to files and sockets (Linux write_chars: gloo's sends are
+        writes), since they started."""
+        total = 0
+        for pid in pids:
+            try:
+                total += psutil.Process(pid).io_counters().write_chars
+            except (psutil.Error, AttributeError):
+                pass
+        return total
+
+    def retransmits(self, pids: Iterable[int]) -> int:
+        """TCP segments retransmitted by the network namespace of the first of them that
+        is alive (its host's, /proc/<pid>/net/snmp RetransSegs), since boot; 0 unknown."""
+        for pid in pids:
+            try:
+                with open(f"/proc/{pid}/net/snmp") as snmp:
+                    return tcp_retransmits(snmp.read())
+            except OSError:
+                continue
+        return 0
 
     def busy(self, pids: Iterable[int]) -> bool:
         """Whether one is running or waiting for the CPU or a disk now. A trainer starved by

@@ -1,13 +1,15 @@
 """The agent's hang verdicts. The monitor (unicron/monitor.py) suspects a hang when no
 iteration comes within its threshold; before the agent reports it, the verdict looks at
 what the job's trainers do: a job starved by other load, or busy on its CPU, is more likely
-slow than hung, and waits a little longer. The rules are pure functions (`judge`,
-`starved`, `cpu_rate`); `HangJudge` keeps what they compare between looks and reads the
+slow than hung, and waits a little longer; one whose collective still moves (crawling over
+a slow or lossy link) waits longer still. The rules are pure functions
+(`judge`, `starved`, `rate`); `HangJudge` keeps what they compare between looks and reads the
 processes through a `Probe` (procstat.ProcessProbe, or a fake in tests)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
 from unicron.monitor import Finding
@@ -26,6 +28,34 @@ BUSY_CORES = 0.25
 STARVED_WAIT = 0.25
 # A CPU rate over less than this is clock-tick noise.
 MIN_RATE_WINDOW_S = 0.05
+# A collective that still moves, however slowly, is not hung: its hang verdict waits, up to
+# MOVING_HOLD_THRESHOLDS thresholds (past that the collective's own timeout is due), and is
+# given at the first look that finds it still. It moves when
+# - its trainers wrote more than SENDING_BYTES_PER_S over the last MOVING_WINDOW_S (a slow
+#   link drains their sends slowly; a hung collective sends nothing, every rank waiting to
+#   receive, and a pulled cable stops the sends once the socket's buffer is full), or
+# - their host's TCP retransmitted in that window while every peer of the job still answers
+#   (a lossy link: the data sits in the send buffers while TCP recovers it; a peer that does
+#   not answer is the stall's cause, reported at once).
+SENDING_BYTES_PER_S = 64 * 1024
+MOVING_HOLD_THRESHOLDS = 10.0
+# Long enough to span a lossy link's retransmission backoff (0.2 s, 0.4 s, 0.8 s), short
+# enough that a buffer filled just before a cable was pulled is soon out of it.
+MOVING_WINDOW_S = 2.0
+
+
+def rate_over(samples: Sequence[tuple[float, float]], now: float) -> float:
+    """The growth per second of the (when, amount) samples, oldest first, over the last
+    MOVING_WINDOW_S; 0 when less than half of it is covered."""
+    recent = [s for s in samples if s[0] >= now - MOVING_WINDOW_S]
+    if len(recent) < 2 or recent[-1][0] - recent[0][0] < MOVING_WINDOW_S / 2:
+        return 0.0
+    return (recent[-1][1] - recent[0][1]) / (recent[-1][0] - recent[0][0])
+
+
+def sending(samples: Sequence[tuple[float, float]], now: float) -> bool:
+    """Whether (when, bytes written) samples show more than SENDING_BYTES_PER_S."""
+    return rate_over(samples, now) > SENDING_BYTES_PER_S
 
 
 class Probe(Protocol):
@@ -35,13 +65,22 @@ class Probe(Protocol):
 
     def busy(self, pids: Iterable[int]) -> bool: ...
 
+    def written_bytes(self, pids: Iterable[int]) -> int: ...
 
-def judge(finding: Finding, last_progress: float | None, ignored: bool, busy: bool, now: float) -> bool | None:
+    def retransmits(self, pids: Iterable[int]) -> int: ...
+
+
+def judge(
+    finding: Finding, last_progress: float | None, ignored: bool, busy: bool, now: float, moving: bool = False
+) -> bool | None:
     """True: report the hang; False: it resolved itself (an iteration came after all, or
-    the job is no longer watched); None: wait, the trainers look busy or starved."""
+    the job is no longer watched); None: wait, the trainers look busy or starved, or their
+    collective still moves."""
     threshold = finding.evidence.get("threshold_s", 0.0)
     if ignored or last_progress is None or last_progress > finding.first_seen - threshold:
         return False
+    if moving and now < finding.first_seen + (MOVING_HOLD_THRESHOLDS - 1) * threshold:
+        return None
     if busy and now < finding.first_seen + (HANG_HOLD_THRESHOLDS - 1) * threshold:
         return None
     return True
@@ -56,37 +95,59 @@ def starved(mark: tuple[float, float] | None, now: float, waited: float, runnabl
     return now > mark[0] and (waited - mark[1]) / (now - mark[0]) > STARVED_WAIT
 
 
-def cpu_rate(previous: tuple[float, float] | None, now: float, cpu: float) -> float | None:
-    """Cores used since the previous (when, cpu seconds) sample; None without one."""
+def rate(previous: tuple[float, float] | None, now: float, amount: float) -> float | None:
+    """Per second since the previous (when, amount) sample (cores from CPU seconds, bytes
+    per second from bytes written); None without one."""
     if previous is None or now <= previous[0]:
         return None
-    return (cpu - previous[1]) / (now - previous[0])
+    return (amount - previous[1]) / (now - previous[0])
 
 
 class HangJudge:
-    def __init__(self, probe: Probe, pids: Callable[[str], Iterable[int]]) -> None:
-        """`pids(job_id)`: the job's trainer processes on this node."""
+    def __init__(
+        self,
+        probe: Probe,
+        pids: Callable[[str], Iterable[int]],
+        reaches_peers: Callable[[Key], bool] = lambda key: True,
+    ) -> None:
+        """`pids(job_id)`: the job's trainer processes on this node; `reaches_peers(key)`:
+        whether every other node of that job generation answers (services/agent/peers.py)."""
         self._probe = probe
         self._pids = pids
+        self._reaches_peers = reaches_peers
         self._suspected: dict[Key, Finding] = {}
         self._wait_marks: dict[Key, tuple[float, float]] = {}  # (when, run-queue seconds)
         self._cpu_last: dict[Key, tuple[float, float]] = {}  # (when, cpu seconds)
         self._cpu_rates: dict[Key, float] = {}  # cores, over the last sample
+        self._sent: dict[Key, deque[tuple[float, float]]] = {}  # (when, bytes written)
+        self._retransmitted: dict[Key, deque[tuple[float, float]]] = {}  # (when, TCP retransmits)
 
-    def sample_cpu(self, keys: list[Key], now: float) -> None:
-        """The CPU rate of each watched job generation's trainers; others are forgotten."""
+    def sample(self, keys: list[Key], now: float) -> None:
+        """The CPU and send rates of each watched job generation's trainers; others are
+        forgotten."""
         for key in keys:
             previous = self._cpu_last.get(key)
-            if previous is not None and now - previous[0] < MIN_RATE_WINDOW_S:
-                continue  # an early wake-up
-            cpu = self._probe.cpu_seconds(self._pids(key[0]))
-            self._cpu_last[key] = (now, cpu)
-            rate = cpu_rate(previous, now, cpu)
-            if rate is not None:
-                self._cpu_rates[key] = rate
+            if previous is None or now - previous[0] >= MIN_RATE_WINDOW_S:  # not an early wake-up
+                cpu = self._probe.cpu_seconds(self._pids(key[0]))
+                self._cpu_last[key] = (now, cpu)
+                cores = rate(previous, now, cpu)
+                if cores is not None:
+                    self._cpu_rates[key] = cores
+            pids = list(self._pids(key[0]))
+            for table, amount in (
+                (self._sent, self._probe.written_bytes(pids)),
+                (self._retransmitted, self._probe.retransmits(pids)),
+            ):
+                samples = table.setdefault(key, deque())
+                samples.append((now, float(amount)))
+                while samples and samples[0][0] < now - 2 * MOVING_WINDOW_S:
+                    samples.popleft()
         for stale in set(self._cpu_last) - set(keys):
             self._cpu_last.pop(stale, None)
             self._cpu_rates.pop(stale, None)
+        for table in (self._sent, self._retransmitted):
+            for stale in set(table) - set(keys):
+                del table[stale]
 
     def suspect(self, finding: Finding) -> None:
         self._suspected[(finding.job_id, finding.generation)] = finding
@@ -97,11 +158,14 @@ class HangJudge:
         hangs = []
         for key, finding in list(self._suspected.items()):
             last, skip = progress.get(key), ignored(key)
-            busy = False
+            busy = moving = False
             if not skip and last is not None:
                 busy = self._starved(key, now) or self._cpu_rates.get(key, 0.0) > BUSY_CORES
                 busy = busy or self._probe.busy(self._pids(key[0]))
-            verdict = judge(finding, last, skip, busy, now)
+                moving = sending(self._sent.get(key, ()), now)
+                recovering = rate_over(self._retransmitted.get(key, ()), now) > 0
+                moving = moving or (recovering and self._reaches_peers(key))
+            verdict = judge(finding, last, skip, busy, now, moving)
             if verdict is None:
                 continue
             del self._suspected[key]

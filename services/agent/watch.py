@@ -28,6 +28,9 @@ class Watched:
     # skips the batching delay, since the coordinator counts the recovery until it hears.
     flush_next: bool = True
     ranks: list[int] = field(default_factory=list)
+    # The job's other nodes and their agents' addresses, for the reachability check of a
+    # hang (peers.py).
+    peers: dict[str, str] = field(default_factory=dict)
 
     @property
     def quiet_expected(self) -> bool:
@@ -41,11 +44,24 @@ class JobWatch:
         self._jobs: dict[Key, Watched] = {}
         self._lock = threading.Lock()
 
-    def start(self, job_id: str, generation: int, ranks: Iterable[int], last_iteration: int, now: float) -> None:
+    def start(
+        self,
+        job_id: str,
+        generation: int,
+        ranks: Iterable[int],
+        last_iteration: int,
+        now: float,
+        peers: dict[str, str] | None = None,
+    ) -> None:
         ranks = list(ranks)
         monitor = JobMonitor(job_id, generation, ranks, self._settings, now)
         with self._lock:
-            self._jobs[(job_id, generation)] = Watched(monitor, last_iteration, ranks=ranks)
+            self._jobs[(job_id, generation)] = Watched(monitor, last_iteration, ranks=ranks, peers=dict(peers or {}))
+
+    def peers_of(self, key: Key) -> dict[str, str]:
+        with self._lock:
+            watched = self._jobs.get(key)
+            return dict(watched.peers) if watched is not None else {}
 
     def observe(self, key: Key, report: pb.IterationReport, now: float) -> bool | None:
         """Feeds a trainer's iteration to its monitor (ReportRejected when it is not a valid

@@ -298,7 +298,9 @@ def assignment_for(
         count = slots[node_id]
         if count == 0:
             continue
-        assignment.workers.add(node_id=node_id, ranks=range(next_rank, next_rank + count))
+        node = nodes.get(node_id)
+        address = node.address if node is not None else ""
+        assignment.workers.add(node_id=node_id, ranks=range(next_rank, next_rank + count), address=address)
         next_rank += count
     first = assignment.workers[0].node_id
     assignment.master_addr = nodes[first].address.rsplit(":", 1)[0]

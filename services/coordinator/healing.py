@@ -9,7 +9,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from services.coordinator import cost, decide, incidents, intake, ladder, remedies, state
+from services.coordinator import cost, decide, incidents, intake, ladder, links, remedies, state
 from services.coordinator.context import Context
 from services.coordinator.events import EventType, event
 from services.coordinator.replan import Replanner
@@ -81,12 +81,15 @@ class Healer:
             store.append_event(job.job_id, failure)
         world_size = job.assignment.world_size if job is not None else 0
         silent: frozenset[str] = frozenset()
+        pending = False
         if incident.kind == common_pb2.FAILURE_KIND_TASK_HANG and job is not None:
             silent = self._silent_nodes(job, incident.first_seen.ToNanoseconds() / 1e9)
-        verdict = intake.route(incident, created, world_size, silent)
-        if verdict.route == intake.Route.HOLD and created:
+            pending = links.accounts_pending(incident, set(decide.nodes_of(job)))
+        verdict = intake.route(incident, created, world_size, silent, pending)
+        if verdict.route == intake.Route.HOLD and (created or pending):
             # Decided by the reconcile step after the hold (decide_held).
-            threading.Timer(incidents.DECISION_HOLD_S, self._ctx.wake.set).start()
+            hold_s = links.LINK_HOLD_S if pending else incidents.DECISION_HOLD_S
+            threading.Timer(hold_s, self._ctx.wake.set).start()
         elif verdict.route == intake.Route.RESPOND:
             self._respond(incident, job)
         return incident
@@ -154,10 +157,13 @@ class Healer:
         store, timeout_s = self._ctx.store, self._ctx.settings.heartbeat_timeout_s
         for incident in store.list_incidents(limit=50):
             silent: frozenset[str] = frozenset()
-            if incident.kind == common_pb2.FAILURE_KIND_TASK_HANG and incident.remedy == common_pb2.REMEDY_UNSPECIFIED:
-                since = incident.first_seen.ToNanoseconds() / 1e9
-                silent = self._silent_nodes(store.get_job(incident.job_id), since) if incident.job_id else frozenset()
-            if intake.hold_is_over(incident, now, silent, timeout_s):
+            pending = False
+            hang = incident.kind == common_pb2.FAILURE_KIND_TASK_HANG and incident.job_id
+            if hang and incident.remedy == common_pb2.REMEDY_UNSPECIFIED:
+                job = store.get_job(incident.job_id)
+                silent = self._silent_nodes(job, incident.first_seen.ToNanoseconds() / 1e9)
+                pending = links.accounts_pending(incident, set(decide.nodes_of(job)))
+            if intake.hold_is_over(incident, now, silent, timeout_s, pending):
                 with self._lock:
                     current = store.get_incident(incident.incident_id)
                     if current is not None and current.remedy == common_pb2.REMEDY_UNSPECIFIED:
@@ -189,6 +195,7 @@ class Healer:
         job = job or store.get_job(incident.job_id)
         if not remedies.applies(job, incident):
             return
+        incident = self._part(incident, job)
         ready = {node_id for node_id, st in store.node_states().items() if st == common_pb2.NODE_STATE_READY}
         decision = ladder.choose(
             incident.kind,
@@ -282,6 +289,34 @@ class Healer:
                 report.message = f"node {node_id} isolated: {incident.summary}"
                 self.record(report)
         self._replanner.want(f"node {node_id} isolated")
+
+    def _part(self, incident: common_pb2.Incident, job: common_pb2.Job) -> common_pb2.Incident:
+        """Isolates the nodes a stalled job's reports find cut off from its peers (links.py),
+        so that its remedy re-plans it without them rather than restarting it in place, onto
+        the same broken links; the incident is then theirs (a reconfigure isolates the
+        incident's node, which was only the first to report). Their agents still beat: they
+        come back READY when they register again."""
+        if incident.kind != common_pb2.FAILURE_KIND_TASK_HANG:
+            return incident
+        store = self._ctx.store
+        parted = sorted(links.parted_nodes(incident, set(decide.nodes_of(job))))
+        if not parted:
+            return incident
+
+        def blame(current: common_pb2.Incident) -> None:
+            current.node_id = parted[0]
+
+        incident = self.update_incident(incident, blame)
+        for node_id in parted:
+            if store.set_node_state(
+                node_id, common_pb2.NODE_STATE_ISOLATED, expected=common_pb2.NODE_STATE_READY, now=self._ctx.clock()
+            ):
+                log.warning(
+                    "node isolated: its links to the job's peers fail",
+                    extra={"node_id": node_id, "incident": incident.incident_id, "job_id": job.job_id},
+                )
+                self._replanner.want(f"node {node_id} parted from its peers")
+        return incident
 
     def update_incident(
         self, incident: common_pb2.Incident, edit: Callable[[common_pb2.Incident], None]

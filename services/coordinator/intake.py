@@ -11,7 +11,7 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from services.coordinator import incidents, state
+from services.coordinator import incidents, links, state
 from services.coordinator.store import new_incident_id
 from unicron import incident_trace as trace
 from unicron.v1 import common_pb2
@@ -34,11 +34,16 @@ class NoOpenIncident(Exception):
 
 
 def route(
-    incident: common_pb2.Incident, created: bool, world_size: int, silent_nodes: frozenset[str] = frozenset()
+    incident: common_pb2.Incident,
+    created: bool,
+    world_size: int,
+    silent_nodes: frozenset[str] = frozenset(),
+    accounts_pending: bool = False,
 ) -> Verdict:
     """What to do with an incident a report just joined (`created`: the report opened it).
     `world_size`: its job's ranks (0 for a node's own incident); `silent_nodes`: the job's
-    nodes not heard from since its hang began (not yet lost)."""
+    nodes not heard from since its hang began (not yet lost); `accounts_pending`: a node of
+    the hung job has not reported yet (links.py)."""
     if incident.kind == common_pb2.FAILURE_KIND_STRAGGLER:
         return Verdict(Route.IGNORE, "a performance report: the planner may route around it, nothing to heal")
     undecided = bool(incident.job_id) and incident.remedy == common_pb2.REMEDY_UNSPECIFIED
@@ -48,6 +53,10 @@ def route(
         # host. Held until each node beats again (at most a heartbeat interval for a real
         # hang), or is lost: the loss then joins the incident as its root cause.
         return Verdict(Route.HOLD, f"node {sorted(silent_nodes)[0]} is silent: its heartbeat verdict first")
+    if undecided and incident.kind == common_pb2.FAILURE_KIND_TASK_HANG and accounts_pending:
+        # A link that fails has two ends: which one is cut off from the job takes every
+        # node's account of what its trainers reach.
+        return Verdict(Route.HOLD, f"up to {links.LINK_HOLD_S:g}s for every node's account of the hang")
     if undecided and incidents.holds(incident.kind) and not incidents.accounts_for_all(incident, world_size):
         # A network error is often how a peer's death looks from outside, and a death is
         # best answered once the peers said they wait (then only the dead rank restarts).
@@ -71,17 +80,20 @@ def hold_is_over(
     now: float,
     silent_nodes: frozenset[str] = frozenset(),
     heartbeat_timeout_s: float = 3.0,
+    accounts_pending: bool = False,
 ) -> bool:
     """Whether a held incident is due for its decision (also one a restarted coordinator
     finds undecided in the store): a network error's short hold is over, or a hang's silent
     node beat again or outlasted the heartbeat timeout (then it is lost, and its loss the
-    root cause), whichever applies."""
+    root cause), and a hang has every node's account or waited LINK_HOLD_S, whichever
+    applies."""
     if not incident.job_id or incident.remedy != common_pb2.REMEDY_UNSPECIFIED or not incidents.is_open(incident, now):
         return False
     held_s = now - incident.detected.ToNanoseconds() / 1e9
     if incident.kind == common_pb2.FAILURE_KIND_TASK_HANG:
         # Held only while a node is silent; a bound, in case its loss is never recorded.
-        return not silent_nodes or held_s >= heartbeat_timeout_s + 1.0
+        heard = not silent_nodes or held_s >= heartbeat_timeout_s + 1.0
+        return heard and (not accounts_pending or held_s >= links.LINK_HOLD_S)
     return incidents.holds(incident.kind) and held_s >= incidents.DECISION_HOLD_S
 
 

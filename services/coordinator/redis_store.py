@@ -16,6 +16,8 @@ new leader anyway."""
 from __future__ import annotations
 
 import functools
+import random
+import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -39,6 +41,19 @@ NODES_INDEX = PREFIX + "nodes"
 NODES_VERSION = PREFIX + "nodes:version"
 INCIDENTS_INDEX = PREFIX + "incidents"
 CAS_ATTEMPTS = 20
+# Between two attempts of a compare-and-set a writer waits a random share of this times the
+# attempts so far: writers that collide once would otherwise collide again in lockstep, and
+# under the GIL one of them can lose every round.
+CAS_BACKOFF_S = 0.0005
+
+
+def _attempts() -> Iterator[int]:
+    for attempt in range(CAS_ATTEMPTS):
+        if attempt:
+            time.sleep(random.uniform(0, CAS_BACKOFF_S * attempt))
+        yield attempt
+
+
 EVENT_FIELD = b"e"
 
 
@@ -143,7 +158,7 @@ class RedisStore:
             with self._redis.pipeline(transaction=True) as pipe:
                 write(pipe)
                 return list(pipe.execute())
-        for _ in range(CAS_ATTEMPTS):
+        for _ in _attempts():
             with self._redis.pipeline() as pipe:
                 try:
                     self._watch(pipe)
@@ -161,7 +176,7 @@ class RedisStore:
         """Stores a new job; ALREADY_EXISTS if its name is taken. Atomic: name, job, index
         and first event are written together or not at all."""
         name_key = _name_key(job.spec.name)
-        for _ in range(CAS_ATTEMPTS):
+        for _ in _attempts():
             with self._redis.pipeline() as pipe:
                 try:
                     self._watch(pipe, name_key)
@@ -226,7 +241,7 @@ class RedisStore:
         'nothing to write'; exceptions it raises propagate and nothing is written. The job
         returned carries its progress, as get_job's does (progress is never written here)."""
         key = _job_key(job_id)
-        for _ in range(CAS_ATTEMPTS):
+        for _ in _attempts():
             with self._redis.pipeline() as pipe:
                 try:
                     self._watch(pipe, key)
@@ -309,7 +324,7 @@ class RedisStore:
         if not keys:
             return []
         pointers = [f"{PREFIX}incidentkey:{key}" for key in keys]
-        for _ in range(CAS_ATTEMPTS):
+        for _ in _attempts():
             with self._redis.pipeline() as pipe:
                 try:
                     self._watch(pipe, *pointers)
@@ -351,7 +366,7 @@ class RedisStore:
         one under its key (a late edit must not overwrite what others wrote since). Returns
         what was stored; None when there is no such incident."""
         key = _incident_key(incident_id)
-        for _ in range(CAS_ATTEMPTS):
+        for _ in _attempts():
             with self._redis.pipeline() as pipe:
                 try:
                     self._watch(pipe, key)
@@ -453,7 +468,7 @@ class RedisStore:
         keys = [_node_key(node_id) for node_id in node_ids]
         if not keys:
             return []
-        for _ in range(CAS_ATTEMPTS):
+        for _ in _attempts():
             with self._redis.pipeline() as pipe:
                 try:
                     self._watch(pipe, *keys)

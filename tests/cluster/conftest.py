@@ -4,11 +4,17 @@ host, two coordinator hosts. Needs root; `make test-cluster` runs these tests.""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import running
+from tests.e2e.conftest import running, wait_for
+from tests.trainer.harness import relative_difference
+from unicron.client import UnicronClient
+from unicron.trainer import checkpoint
+from unicron.v1 import common_pb2
 from unicron_dev import netns
+from unicron_dev.localcluster import tiny_gpt
 from unicron_dev.netcluster import NetCluster
 
 pytestmark = pytest.mark.cluster
@@ -30,6 +36,58 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NetCluster]:
     )
     yield from running(local)
     assert not [n for n in netns.namespaces() if n.startswith(f"{netns.PREFIX}")], "namespaces left behind"
+
+
+# Every elastic job of these tests runs this many iterations, so that its final parameters
+# can be compared with one failure-free run's (a checkpoint every 10 iterations, the last
+# one at the end).
+ITERATIONS = 120
+
+
+def elastic(name: str, iterations: int = ITERATIONS) -> common_pb2.JobSpec:
+    """Four ranks that may shrink to two or three (a batch of 12 splits over each)."""
+    spec = tiny_gpt(name, data=4, iterations=iterations)
+    spec.parallelism.min_data = 2
+    spec.training.global_batch_size, spec.training.micro_batch_size = 12, 1
+    return spec
+
+
+def succeeded_once(client: UnicronClient, name: str) -> common_pb2.Job:
+    job = wait_for(client, name, lambda j: j.state == common_pb2.JOB_STATE_SUCCEEDED, "did not succeed", 180)
+    ends = [h for h in job.history if h.state == common_pb2.JOB_STATE_SUCCEEDED]
+    assert len(ends) == 1, job.history
+    return job
+
+
+def nodes_of(job: common_pb2.Job) -> set[str]:
+    return {w.node_id for w in job.assignment.workers if w.ranks}
+
+
+def final_params(cluster: NetCluster, job: common_pb2.Job) -> dict[str, Any]:
+    """The model parameters of the job's last checkpoint, which must be of its last
+    iteration (the agents of these hosts share one checkpoint directory)."""
+    root = cluster.run_dir / "agents" / "checkpoints" / job.job_id
+    (iteration, *_) = checkpoint.list_complete(root)
+    assert iteration == job.spec.training.iterations
+    saved = checkpoint.read_manifest(root, iteration)["layout"]
+    found = checkpoint.find_latest(root, checkpoint.layout_of_config(saved["model"], 1, 1))
+    assert found is not None and found[0] == iteration
+    return dict(found[1]["model"])
+
+
+@pytest.fixture(scope="module")
+def reference(cluster: NetCluster) -> dict[str, Any]:
+    """The final parameters of a failure-free run of `elastic`'s job on four hosts."""
+    with cluster.client() as client:
+        client.submit(elastic("reference"))
+        return final_params(cluster, succeeded_once(client, "reference"))
+
+
+def assert_exact(cluster: NetCluster, job: common_pb2.Job, reference: dict[str, Any]) -> None:
+    """The job's final parameters equal the failure-free run's, every tensor within 1e-6
+    relative (the global batch is the same at every data-parallel degree)."""
+    worst = relative_difference(final_params(cluster, job), reference)
+    assert worst <= 1e-6, f"a tensor differs from the failure-free run's by {worst:.2e} relative"
 
 
 # What each fault test measured (detection and recovery seconds), printed after the run: the

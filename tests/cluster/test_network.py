@@ -9,33 +9,18 @@ import socket
 import struct
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from services.agent.supervisor import REGISTRY_FILE
-from tests.cluster.conftest import record
+from tests.cluster.conftest import assert_exact, elastic, nodes_of, record, succeeded_once
 from tests.e2e.conftest import wait_for
-from unicron.client import UnicronClient
 from unicron.v1 import common_pb2
 from unicron_dev.localcluster import tiny_gpt
 from unicron_dev.netcluster import NetCluster
 
 pytestmark = pytest.mark.cluster
-
-
-def elastic(name: str, iterations: int) -> common_pb2.JobSpec:
-    """Four ranks that may shrink to two or three (a batch of 12 splits over each)."""
-    spec = tiny_gpt(name, data=4, iterations=iterations)
-    spec.parallelism.min_data = 2
-    spec.training.global_batch_size, spec.training.micro_batch_size = 12, 1
-    return spec
-
-
-def succeeded_once(client: UnicronClient, name: str) -> common_pb2.Job:
-    job = wait_for(client, name, lambda j: j.state == common_pb2.JOB_STATE_SUCCEEDED, "did not succeed", 180)
-    ends = [h for h in job.history if h.state == common_pb2.JOB_STATE_SUCCEEDED]
-    assert len(ends) == 1, job.history
-    return job
 
 
 def test_a_job_trains_across_four_hosts_over_their_links(cluster: NetCluster) -> None:
@@ -79,7 +64,9 @@ def established_peers(pid: int) -> set[str]:
     return found
 
 
-def test_a_pulled_cable_is_a_lost_node_and_the_job_goes_on_without_it(cluster: NetCluster) -> None:
+def test_a_pulled_cable_is_a_lost_node_and_the_job_goes_on_without_it(
+    cluster: NetCluster, reference: dict[str, Any]
+) -> None:
     """The cable of a host with a rank is pulled for at least 8 s, then plugged back in.
     Expected: the survivors' agents see the job hang first (under a second) and that hang
     waits for the silent host's heartbeat verdict; no heartbeat for 3 s -> NODE_LOST (within
@@ -88,7 +75,7 @@ def test_a_pulled_cable_is_a_lost_node_and_the_job_goes_on_without_it(cluster: N
     back READY; the job ends SUCCEEDED exactly once."""
     assert cluster.network is not None
     with cluster.client() as client:
-        client.submit(elastic("cable", 120))
+        client.submit(elastic("cable"))
         before = wait_for(client, "cable", lambda j: j.progress.iteration >= 5, "never trained")
         victim = next(w.node_id for w in before.assignment.workers if 0 not in w.ranks)
         host = cluster.node_host(victim)
@@ -122,6 +109,7 @@ def test_a_pulled_cable_is_a_lost_node_and_the_job_goes_on_without_it(cluster: N
         finally:
             cluster.network.link_up(host)
         job = succeeded_once(client, "cable")
+        assert_exact(cluster, job, reference)
         assert victim not in {w.node_id for w in job.assignment.workers} or job.assignment.generation > 1
         # One remedy: the survivors' hang (they stopped when the host did) waited for the
         # heartbeat verdict instead of restarting the job onto the silent host.
@@ -135,7 +123,9 @@ def test_a_pulled_cable_is_a_lost_node_and_the_job_goes_on_without_it(cluster: N
         )
 
 
-def test_a_host_cut_off_from_the_control_plane_only_is_fenced_and_the_job_goes_on(cluster: NetCluster) -> None:
+def test_a_host_cut_off_from_the_control_plane_only_is_fenced_and_the_job_goes_on(
+    cluster: NetCluster, reference: dict[str, Any]
+) -> None:
     """A host with a rank loses the coordinators and the control host (its agent cannot
     heartbeat) while its trainers still reach their peers. Expected: NODE_LOST within 5 s,
     remedy reconfigure: the job goes on without that host; its old rank trains no further
@@ -144,7 +134,7 @@ def test_a_host_cut_off_from_the_control_plane_only_is_fenced_and_the_job_goes_o
     assert cluster.network is not None
     control = ["ctl", *(f"c{i}" for i in range(cluster.coordinators))]
     with cluster.client() as client:
-        client.submit(elastic("fenced", 120))
+        client.submit(elastic("fenced"))
         before = wait_for(client, "fenced", lambda j: j.progress.iteration >= 5, "never trained")
         victim = next(w.node_id for w in before.assignment.workers if 0 not in w.ranks)
         host = cluster.node_host(victim)
@@ -170,6 +160,7 @@ def test_a_host_cut_off_from_the_control_plane_only_is_fenced_and_the_job_goes_o
         finally:
             cluster.network.heal(host)
         job = succeeded_once(client, "fenced")
+        assert_exact(cluster, job, reference)
         # Reports of the old generation from the cut-off host opened nothing after the cut.
         late = [
             i
@@ -189,17 +180,15 @@ def test_a_host_cut_off_from_the_control_plane_only_is_fenced_and_the_job_goes_o
         )
 
 
-def nodes_of(job: common_pb2.Job) -> set[str]:
-    return {w.node_id for w in job.assignment.workers if w.ranks}
-
-
-def test_two_hosts_lost_within_a_second_are_one_re_plan_and_the_job_goes_on(cluster: NetCluster) -> None:
+def test_two_hosts_lost_within_a_second_are_one_re_plan_and_the_job_goes_on(
+    cluster: NetCluster, reference: dict[str, Any]
+) -> None:
     """The cables of two hosts with ranks are pulled 0.5 s apart. Expected: both NODE_LOST
     within 5 s, the job (four ranks) resizes onto the two hosts it has left, its surviving
     ranks keeping their state, and ends SUCCEEDED exactly once."""
     assert cluster.network is not None
     with cluster.client() as client:
-        client.submit(elastic("pair", 120))
+        client.submit(elastic("pair"))
         before = wait_for(client, "pair", lambda j: j.progress.iteration >= 5, "never trained")
         victims = [w.node_id for w in before.assignment.workers if 0 not in w.ranks][:2]
         hosts = [cluster.node_host(v) for v in victims]
@@ -227,10 +216,12 @@ def test_two_hosts_lost_within_a_second_are_one_re_plan_and_the_job_goes_on(clus
         finally:
             for host in hosts:
                 cluster.network.link_up(host)
-        succeeded_once(client, "pair")
+        assert_exact(cluster, succeeded_once(client, "pair"), reference)
 
 
-def test_the_active_coordinator_cut_off_from_redis_is_replaced_and_writes_nothing(cluster: NetCluster) -> None:
+def test_the_active_coordinator_cut_off_from_redis_is_replaced_and_writes_nothing(
+    cluster: NetCluster, reference: dict[str, Any]
+) -> None:
     """The active coordinator's host loses the control host (Redis, the planners) while a job
     trains. Expected: its lease lapses within the lease TTL (3 s) and it stops itself (exit
     75, EXIT_LEASE_LOST) without a write after that (its log shows no decision once it
@@ -242,7 +233,7 @@ def test_the_active_coordinator_cut_off_from_redis_is_replaced_and_writes_nothin
     host = cluster._host(active)
     assert host is not None
     with cluster.client() as client:
-        client.submit(elastic("takeover", 100))
+        client.submit(elastic("takeover"))
         wait_for(client, "takeover", lambda j: j.progress.iteration >= 5, "never trained")
     cut_at = time.monotonic()
     cluster.network.cut([host.name], ["ctl"])
@@ -260,4 +251,4 @@ def test_the_active_coordinator_cut_off_from_redis_is_replaced_and_writes_nothin
     after_loss = log[log.index("lost the coordinator lease") :]
     assert "remedy chosen" not in after_loss and "plan carried out" not in after_loss
     with cluster.client() as client:
-        succeeded_once(client, "takeover")
+        assert_exact(cluster, succeeded_once(client, "takeover"), reference)

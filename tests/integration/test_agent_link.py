@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import psutil
 import pytest
 
 from services.agent.agent import Agent, AgentSettings, serve
@@ -195,6 +196,35 @@ def test_a_job_for_another_image_is_refused_with_the_reason(control_plane: Contr
     with pytest.raises(OSError, match=r"program\.image is 'team/llm:7', but this node runs no named image"):
         agent.executor.start_workers(start)
     assert not agent.supervisor.running(job.job_id)
+
+
+def test_a_reform_that_leaves_the_node_out_stops_its_ranks_and_starts_none(
+    control_plane: ControlPlane, agent: Agent
+) -> None:
+    """A resize moves the job onto other nodes: this node's reform names none of its ranks.
+    It stops them, starts nothing, and still takes the next command (it once raised on the
+    empty rank list and ended its command stream)."""
+    job = running_job(control_plane, agent)
+    reform = node_service_pb2.Reform(
+        job_id=job.job_id,
+        from_generation=job.assignment.generation,
+        spec=job.spec,
+        assignment=common_pb2.Assignment(generation=job.assignment.generation + 1, world_size=1),
+    )
+    reform.assignment.workers.add(node_id="elsewhere", ranks=[0], address="10.0.0.9:7000")
+    (pid,) = agent.supervisor.pids(job.job_id).values()
+    agent.executor.reform(reform)
+    assert all(k.generation == job.assignment.generation for k in agent.supervisor.running(job.job_id))
+    deadline = time.monotonic() + 10
+    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "the left-out rank was not stopped"
+        time.sleep(0.05)
+    start = node_service_pb2.StartWorkers(
+        job_id="job-next", spec=job.spec, assignment=common_pb2.Assignment(generation=1)
+    )
+    start.assignment.workers.add(node_id="n1", ranks=[0])
+    agent.executor.start_workers(start)
+    assert agent.supervisor.running("job-next")
 
 
 def test_a_trainer_error_does_not_wait_for_an_unreachable_coordinator(tmp_path: Path) -> None:

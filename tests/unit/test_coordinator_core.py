@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.coordinator import decide, incidents, intake, ladder, remedies, replan, state
+from services.coordinator import decide, incidents, intake, ladder, links, remedies, replan, state
 from services.coordinator.coordinator import Coordinator, Settings
 from services.coordinator.memory_store import MemoryStore
 from services.planner import solver
@@ -87,6 +87,16 @@ def test_a_held_hang_is_decided_once_its_node_beats_or_is_lost() -> None:
     lost.ClearField("rank")
     lost.first_seen.FromNanoseconds(int((NOW + 0.5) * 1e9))
     assert incident_of(report(HANG, 0, STATISTICAL), lost).kind == pb.FAILURE_KIND_NODE_LOST
+
+
+def test_a_hang_waits_for_every_nodes_account() -> None:
+    named = report(HANG, 0, STATISTICAL)
+    named.unreachable_peers.append("n2")
+    assert intake.route(incident_of(named), True, 2, accounts_pending=True).route == intake.Route.HOLD
+    held = incident_of(named)
+    assert not intake.hold_is_over(held, NOW + links.LINK_HOLD_S / 2, accounts_pending=True)
+    assert intake.hold_is_over(held, NOW + links.LINK_HOLD_S / 2, accounts_pending=False)  # all in
+    assert intake.hold_is_over(held, NOW + links.LINK_HOLD_S, accounts_pending=True)  # the bound
 
 
 def test_a_held_incident_is_decided_after_its_hold() -> None:
@@ -274,7 +284,7 @@ def submit_and_place(coordinator: Coordinator, data: int = 2) -> pb.Job:
             "name": "tiny",
             "program": {"entry_point": "examples.gpt.train:main"},
             "parallelism": {"data": data, "min_data": 1},
-            "training": {"iterations": 50, "global_batch_size": 4},
+            "training": {"iterations": 50, "global_batch_size": 12},
         }
     )
     job = coordinator.submit(spec)
@@ -404,3 +414,39 @@ def test_a_job_that_stops_because_a_host_went_silent_is_not_restarted_onto_it(
     assert [r.remedy for r in moved.remedies] == [pb.REMEDY_RECONFIGURE]
     (incident,) = coordinator.list_incidents(job.job_id)
     assert incident.kind == pb.FAILURE_KIND_NODE_LOST and silent not in decide.nodes_of(moved)
+
+
+def test_a_job_stalled_by_a_host_cut_off_from_its_peers_moves_on_without_it(
+    cluster: tuple[Coordinator, MemoryStore, Clock],
+) -> None:
+    """Four ranks on four nodes, all beating; the job stalls and every agent reports the hang
+    with which peers its agent reaches: one node reaches none, the others all but it. That node
+    is isolated and the job reconfigures without it, instead of restarting in place onto the
+    same broken links."""
+    coordinator, _, clock = cluster
+    for node_id in ("n3", "n4", "n5"):
+        coordinator.register_node(node_id, f"10.9.0.{node_id[-1]}:7000", 1, "rack-b")
+    job = submit_and_place(coordinator, data=4)
+    iterate(coordinator, job, 1, range(4))
+    order = [next(w.node_id for w in job.assignment.workers if r in w.ranks) for r in range(4)]
+    assert all(w.address for w in job.assignment.workers)  # where the agents probe each other
+    cut = order[3]
+    for i, node_id in enumerate(order):
+        clock.now += 0.05
+        hang = report(HANG, i, STATISTICAL)
+        hang.ClearField("rank")
+        hang.job_id, hang.node_id = job.job_id, node_id
+        others = [n for n in order if n != node_id]
+        blocked = set(others) if node_id == cut else {cut}
+        hang.unreachable_peers.extend(n for n in others if n in blocked)
+        hang.reachable_peers.extend(n for n in others if n not in blocked)
+        coordinator.report_failure(node_id, hang)
+        if i < 3:
+            assert coordinator.get(job.job_id).remedies == []  # waits for every node's account
+    moved = coordinator.get(job.job_id)
+    assert [r.remedy for r in moved.remedies] == [pb.REMEDY_RECONFIGURE], moved.remedies
+    states = {n.node_id: n.state for n in coordinator.nodes()}
+    assert states[cut] == pb.NODE_STATE_ISOLATED
+    assert all(states[n] == pb.NODE_STATE_READY for n in order[:3])
+    coordinator.reconcile_once()
+    assert cut not in decide.nodes_of(coordinator.get(job.job_id))

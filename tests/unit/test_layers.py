@@ -66,6 +66,7 @@ def test_the_everyday_cli_loads_neither_the_solver_nor_torch() -> None:
 PURE = [
     "services/coordinator/decide.py",
     "services/coordinator/intake.py",
+    "services/coordinator/links.py",
     "services/coordinator/remedies.py",
     "services/coordinator/ladder.py",
     "services/coordinator/incidents.py",

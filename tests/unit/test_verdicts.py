@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 import pytest
 
-from services.agent import verdicts
+from services.agent import procstat, verdicts
 from services.agent.watch import JobWatch
 from unicron.monitor import Finding, MonitorSettings, ReportRejected
 from unicron.v1 import common_pb2
@@ -50,10 +50,46 @@ def test_starved(mark: tuple[float, float] | None, now: float, waited: float, ru
     assert verdicts.starved(mark, now, waited, runnable) is starved
 
 
-def test_cpu_rate() -> None:
-    assert verdicts.cpu_rate(None, 10.0, 5.0) is None
-    assert verdicts.cpu_rate((8.0, 1.0), 10.0, 2.0) == 0.5
-    assert verdicts.cpu_rate((10.0, 1.0), 10.0, 2.0) is None
+def test_rate() -> None:
+    assert verdicts.rate(None, 10.0, 5.0) is None
+    assert verdicts.rate((8.0, 1.0), 10.0, 2.0) == 0.5
+    assert verdicts.rate((10.0, 1.0), 10.0, 2.0) is None
+
+
+MIB = 1024 * 1024
+
+
+@pytest.mark.parametrize(
+    ("samples", "now", "moving"),
+    [
+        ([(8.0, 0.0), (9.0, MIB), (10.0, 2 * MIB)], 10.0, True),  # 1 MiB/s: a slow link
+        ([(8.0, 0.0), (10.0, 1000.0)], 10.0, False),  # a log line: not a collective
+        ([(8.0, 0.0), (8.1, 4 * MIB), (10.0, 4 * MIB)], 10.5, False),  # a buffer filled, then nothing
+        ([(9.8, 0.0), (10.0, MIB)], 10.0, False),  # too short a look to say
+        ([], 10.0, False),
+    ],
+)
+def test_sending(samples: list[tuple[float, float]], now: float, moving: bool) -> None:
+    assert verdicts.sending(samples, now) is moving
+
+
+@pytest.mark.parametrize(
+    ("now", "verdict"),
+    [(101.0, None), (189.9, None), (190.0, True)],  # held up to 10 thresholds, then a hang
+)
+def test_judge_holds_a_collective_that_still_moves(now: float, verdict: bool | None) -> None:
+    assert verdicts.judge(hang(), 85.0, False, False, now, moving=True) is verdict
+
+
+def test_the_hosts_tcp_retransmissions_are_read_from_snmp() -> None:
+    snmp = (
+        "Ip: Forwarding DefaultTTL\nIp: 1 64\n"
+        "Tcp: RtoAlgorithm RtoMin ActiveOpens OutSegs RetransSegs InErrs\nTcp: 1 200 10 500 42 0\n"
+    )
+    assert procstat.tcp_retransmits(snmp) == 42
+    assert procstat.tcp_retransmits("Ip: 1\n") == 0
+    with open("/proc/net/snmp") as real:
+        assert procstat.tcp_retransmits(real.read()) >= 0
 
 
 class FakeProbe:
@@ -62,6 +98,14 @@ class FakeProbe:
         self.queued = 0.0
         self.runnable = False
         self.busy_now = False
+        self.written = 0
+        self.retransmitted = 0
+
+    def written_bytes(self, pids: Iterable[int]) -> int:
+        return self.written
+
+    def retransmits(self, pids: Iterable[int]) -> int:
+        return self.retransmitted
 
     def run_queue(self, pids: Iterable[int]) -> tuple[float, bool]:
         return self.queued, self.runnable
@@ -77,14 +121,49 @@ def test_a_job_spinning_its_cpu_is_held_then_reported() -> None:
     probe = FakeProbe()
     judge = verdicts.HangJudge(probe, lambda job_id: [1234])
     key = ("j", 1)
-    judge.sample_cpu([key], 100.0)
+    judge.sample([key], 100.0)
     probe.cpu = 1.0  # a core's worth over the next second
-    judge.sample_cpu([key], 101.0)
+    judge.sample([key], 101.0)
     judge.suspect(hang())
     assert judge.verdicts({key: 85.0}, lambda k: False, 101.0) == []  # busy: held
     (reported,) = judge.verdicts({key: 85.0}, lambda k: False, 120.0)
     assert reported.evidence["held_s"] == 20.0 and reported.evidence["cpu_cores"] == 1.0
     assert judge.verdicts({key: 85.0}, lambda k: False, 121.0) == []  # reported once
+
+
+def test_a_crawling_collective_is_held_and_reported_once_it_stops_sending() -> None:
+    probe = FakeProbe()
+    judge = verdicts.HangJudge(probe, lambda job_id: [1234])
+    key = ("j", 1)
+    judge.suspect(hang())
+    for tick in range(21):  # 1 MiB/s over two seconds
+        probe.written = tick * MIB // 10
+        judge.sample([key], 99.0 + tick / 10)
+    assert judge.verdicts({key: 85.0}, lambda k: False, 101.0) == []  # sending: held
+    for tick in range(1, 21):  # then nothing for two seconds: the link is gone
+        judge.sample([key], 101.0 + tick / 10)
+    assert len(judge.verdicts({key: 85.0}, lambda k: False, 103.0)) == 1
+
+
+@pytest.mark.parametrize(("peers_answer", "held"), [(True, True), (False, False)])
+def test_retransmissions_hold_a_hang_while_every_peer_answers(peers_answer: bool, held: bool) -> None:
+    """A lossy link: TCP retransmits while the job stalls. Held while every peer answers
+    (the data is still getting through); a peer that does not answer is the cause: reported."""
+    probe = FakeProbe()
+    asked: list[verdicts.Key] = []
+
+    def reaches(key: verdicts.Key) -> bool:
+        asked.append(key)
+        return peers_answer
+
+    judge = verdicts.HangJudge(probe, lambda job_id: [1234], reaches_peers=reaches)
+    key = ("j", 1)
+    for tick in range(21):
+        probe.retransmitted = tick
+        judge.sample([key], 99.0 + tick / 10)
+    judge.suspect(hang())
+    assert (judge.verdicts({key: 85.0}, lambda k: False, 101.0) == []) is held
+    assert asked == [key]
 
 
 def test_a_sleeping_job_is_reported_at_once_and_a_resolved_one_never() -> None:
