@@ -168,7 +168,14 @@ class CoordinatorClient:
                     delays = Backoff(0.1, 2.0).delays()
                 if not self.registered.is_set():
                     continue  # the coordinator asked for a new registration: at once
-            except (grpc.RpcError, Retryable) as exc:
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.ALREADY_EXISTS:
+                    # Another live agent holds this node id or this host: this one waits
+                    # until that one is lost, asking again.
+                    log.error("registration refused", extra={"node_id": self.node_id, "why": exc.details()})
+                elif not self._stop.is_set():
+                    log.warning("heartbeats interrupted, reconnecting", extra={"error": str(exc)[:200]})
+            except Retryable as exc:
                 if not self._stop.is_set():
                     log.warning("heartbeats interrupted, reconnecting", extra={"error": str(exc)[:200]})
             self._stop.wait(next(delays))

@@ -3,16 +3,17 @@ batches) and the command streams agents read."""
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from services.coordinator import decide
 from services.coordinator.command_feed import CommandFeed, CommandStream
 from services.coordinator.context import Context
 from services.coordinator.store import valid_stream_id
-from unicron.errors import InvalidArgument, NotFound
+from unicron.errors import AlreadyExists, InvalidArgument, NotFound
 from unicron.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -20,6 +21,44 @@ log = logging.getLogger(__name__)
 # Node names as hosts and Kubernetes nodes have them; never ':' (the store's key separator)
 # nor '/'.
 NODE_ID_PATTERN = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,251}[A-Za-z0-9])?$")
+
+
+def host_of(address: str) -> str:
+    """The host of a host:port address, brackets of an IPv6 literal removed."""
+    return address.rpartition(":")[0].strip("[]")
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def registration_conflict(
+    node_id: str, address: str, nodes: Iterable[common_pb2.Node], now: float, timeout_s: float
+) -> str | None:
+    """Why a registration must be refused, or None. One node per host: a live node (not
+    LOST, heard within the heartbeat timeout) keeps its host, and its id, until it is lost.
+    A node id registering from another host while its first host still beats is two agents
+    under one name; a node registering a host another live node holds has taken that
+    node's address. Loopback hosts are exempt: on one machine every agent shares one."""
+    host = host_of(address)
+    if _loopback(host):
+        return None
+    for node in nodes:
+        silent_s = now - node.last_heartbeat.ToNanoseconds() / 1e9
+        if node.state == common_pb2.NODE_STATE_LOST or silent_s > timeout_s:
+            continue
+        theirs = host_of(node.address)
+        if node.node_id == node_id and theirs != host:
+            return (
+                f"node {node_id} is registered from {node.address} and beat {silent_s:.1f}s ago; "
+                f"refusing it from {address} (one agent per node id)"
+            )
+        if node.node_id != node_id and theirs == host:
+            return f"address {address}: host {host} is node {node.node_id}'s, which beat {silent_s:.1f}s ago"
+    return None
 
 
 class NodeRegistry:
@@ -59,6 +98,10 @@ class NodeRegistry:
         if slots <= 0:
             raise InvalidArgument("slots", "must be positive")
         store, now = self._ctx.store, self._ctx.clock()
+        conflict = registration_conflict(node_id, address, self.nodes(), now, self._ctx.settings.heartbeat_timeout_s)
+        if conflict is not None:
+            log.warning("registration refused", extra={"node_id": node_id, "address": address, "why": conflict})
+            raise AlreadyExists(conflict)
         previous = store.get_node(node_id)
         node = common_pb2.Node(
             node_id=node_id,

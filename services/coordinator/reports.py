@@ -126,6 +126,16 @@ def _stamp(seconds: float) -> Timestamp:
     return stamp
 
 
+def check_generation(job: common_pb2.Job, generation: int, field: str) -> None:
+    """A report of a generation older than the job's is stale, and changes nothing; one of
+    a generation the coordinator never made is invalid: no agent can have started it."""
+    if generation > job.assignment.generation:
+        raise InvalidArgument(
+            field,
+            f"job {job.job_id} has no generation {generation} (its newest is {job.assignment.generation})",
+        )
+
+
 class Reports:
     def __init__(self, ctx: Context, healer: Healer, replanner: Replanner, monitors: Monitors) -> None:
         self._ctx = ctx
@@ -152,6 +162,7 @@ class Reports:
             _check_report(i, report)
             if report.job_id not in jobs:
                 jobs[report.job_id] = store.get_job(report.job_id)
+            check_generation(jobs[report.job_id], report.generation, f"reports[{i}].generation")
         now = self._ctx.clock()
         for report in reports:
             jobs[report.job_id] = self._one(jobs[report.job_id], node_id, report, now)
@@ -302,6 +313,8 @@ class Reports:
         check_time(report.first_seen, "report.first_seen")
         if self._ctx.store.get_node(node_id) is None:
             raise NotFound(f"node {node_id!r} is not registered")
+        if report.job_id:
+            check_generation(self._ctx.store.get_job(report.job_id), report.generation, "report.generation")
         stamped = common_pb2.FailureReport()
         stamped.CopyFrom(report)
         stamped.node_id = node_id
@@ -314,6 +327,7 @@ class Reports:
             job = store.get_job(request.job_id)
         except NotFound:
             return
+        check_generation(job, request.generation, "generation")
         if job.assignment.generation != request.generation or job.state not in state.ACTIVE:
             return
         if request.rank >= job.assignment.world_size:

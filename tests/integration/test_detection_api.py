@@ -78,11 +78,18 @@ def test_bad_failure_reports_change_nothing(control_plane: ControlPlane, mutate,
     assert snapshot(control_plane.redis) == before
 
 
-def test_a_stale_report_opens_no_incident(control_plane: ControlPlane) -> None:
+def test_a_stale_report_opens_no_incident_and_one_from_the_future_is_refused(control_plane: ControlPlane) -> None:
     job, _ = scheduled_job(control_plane)
     request = report(job, 0, common_pb2.FAILURE_KIND_PROCESS_EXIT, common_pb2.DETECTION_SOURCE_PROCESS_SUPERVISION)
-    request.report.generation = 7
+    request.report.generation = 0  # older than the job's: stale, accepted, changes nothing
     control_plane.node_stub().ReportFailure(request, timeout=5)
+    request.report.generation = 7  # a generation the coordinator never made
+    before = snapshot(control_plane.redis)
+    with pytest.raises(grpc.RpcError) as error:
+        control_plane.node_stub().ReportFailure(request, timeout=5)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (error.value.details() or "").startswith("report.generation")
+    assert snapshot(control_plane.redis) == before
     with control_plane.client() as client:
         assert client.incidents() == []
         assert client.get(job.job_id).state == common_pb2.JOB_STATE_SCHEDULED

@@ -297,11 +297,15 @@ def test_a_job_that_keeps_failing_climbs_the_ladder_then_fails(control_plane: Co
     assert common_pb2.NODE_STATE_ISOLATED in nodes.values()
 
 
-def test_stale_generation_reports_are_ignored(control_plane: ControlPlane) -> None:
+def test_stale_generation_reports_are_ignored_and_unmade_ones_refused(control_plane: ControlPlane) -> None:
     job, _ = scheduled_job(control_plane)
-    control_plane.node_stub().ReportWorkerExit(
-        node_service_pb2.ReportWorkerExitRequest(node_id="n1", job_id=job.job_id, generation=99, rank=0, exit_code=1),
-        timeout=5,
+    stale = node_service_pb2.ReportWorkerExitRequest(node_id="n1", job_id=job.job_id, generation=0, rank=0, exit_code=1)
+    control_plane.node_stub().ReportWorkerExit(stale, timeout=5)
+    unmade = node_service_pb2.ReportWorkerExitRequest(node_id="n1", job_id=job.job_id, generation=99, rank=0)
+    with pytest.raises(grpc.RpcError) as error:
+        control_plane.node_stub().ReportWorkerExit(unmade, timeout=5)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "no generation 99" in (
+        error.value.details() or ""
     )
     with control_plane.client() as client:
         assert client.get(job.job_id).state == common_pb2.JOB_STATE_SCHEDULED
@@ -510,6 +514,21 @@ def test_bad_registration_is_invalid_argument(control_plane: ControlPlane, reque
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert (error.value.details() or "").startswith(field)
     assert control_plane.redis.keys("*") == []
+
+
+def test_a_second_host_for_a_node_or_a_taken_address_is_already_exists(control_plane: ControlPlane) -> None:
+    stub = control_plane.node_stub()
+    stub.RegisterNode(node_service_pb2.RegisterNodeRequest(node_id="n1", address="10.9.9.1:7000", slots=1), timeout=5)
+    stored = control_plane.redis.get(b"unicron:node:n1")
+    for request in (
+        node_service_pb2.RegisterNodeRequest(node_id="n1", address="10.9.9.2:7000", slots=1),
+        node_service_pb2.RegisterNodeRequest(node_id="n2", address="10.9.9.1:7001", slots=1),
+    ):
+        with pytest.raises(grpc.RpcError) as error:
+            stub.RegisterNode(request, timeout=5)
+        assert error.value.code() == grpc.StatusCode.ALREADY_EXISTS, error.value.details()
+    assert control_plane.redis.get(b"unicron:node:n1") == stored
+    assert control_plane.redis.get(b"unicron:node:n2") is None
 
 
 def test_commands_for_unregistered_node_is_not_found(control_plane: ControlPlane) -> None:
