@@ -31,31 +31,50 @@ MIN_RATE_WINDOW_S = 0.05
 # A collective that still moves, however slowly, is not hung: its hang verdict waits, up to
 # MOVING_HOLD_THRESHOLDS thresholds (past that the collective's own timeout is due), and is
 # given at the first look that finds it still. It moves when
-# - its trainers wrote more than SENDING_BYTES_PER_S over the last MOVING_WINDOW_S (a slow
-#   link drains their sends slowly; a hung collective sends nothing, every rank waiting to
-#   receive, and a pulled cable stops the sends once the socket's buffer is full), or
-# - their host's TCP retransmitted in that window while every peer of the job still answers
-#   (a lossy link: the data sits in the send buffers while TCP recovers it; a peer that does
-#   not answer is the stall's cause, reported at once).
+# - its trainers keep writing more than SENDING_BYTES_PER_S since the job's last iteration,
+#   in both halves of what was sampled (a slow link drains their sends slowly; a hung
+#   collective sends nothing, every rank waiting to receive, and a pulled cable stops the
+#   sends once the socket's buffer is full: one burst, then nothing), or
+# - their host's TCP retransmitted within MOVING_WINDOW_S while every peer of the job still
+#   answers (a lossy link: the data sits in the send buffers while TCP recovers it; a peer
+#   that does not answer is the stall's cause, reported at once).
 SENDING_BYTES_PER_S = 64 * 1024
 MOVING_HOLD_THRESHOLDS = 10.0
-# Long enough to span a lossy link's retransmission backoff (0.2 s, 0.4 s, 0.8 s), short
-# enough that a buffer filled just before a cable was pulled is soon out of it.
+# Long enough to span a lossy link's retransmission backoff (0.2 s, 0.4 s, 0.8 s).
 MOVING_WINDOW_S = 2.0
+# Less sampled time than this says nothing.
+MIN_SPAN_S = 0.3
+
+Samples = Sequence[tuple[float, float]]
 
 
-def rate_over(samples: Sequence[tuple[float, float]], now: float) -> float:
-    """The growth per second of the (when, amount) samples, oldest first, over the last
-    MOVING_WINDOW_S; 0 when less than half of it is covered."""
-    recent = [s for s in samples if s[0] >= now - MOVING_WINDOW_S]
-    if len(recent) < 2 or recent[-1][0] - recent[0][0] < MOVING_WINDOW_S / 2:
-        return 0.0
-    return (recent[-1][1] - recent[0][1]) / (recent[-1][0] - recent[0][0])
+def _since(samples: Samples, now: float, since: float) -> list[tuple[float, float]]:
+    """The samples after the cutoff, led by the last one at or before it (the baseline)."""
+    cutoff = max(now - MOVING_WINDOW_S, since)
+    before = [s for s in samples if s[0] <= cutoff]
+    return before[-1:] + [s for s in samples if s[0] > cutoff]
 
 
-def sending(samples: Sequence[tuple[float, float]], now: float) -> bool:
-    """Whether (when, bytes written) samples show more than SENDING_BYTES_PER_S."""
-    return rate_over(samples, now) > SENDING_BYTES_PER_S
+def _rate(samples: Samples) -> float:
+    return (samples[-1][1] - samples[0][1]) / (samples[-1][0] - samples[0][0])
+
+
+def sending(samples: Samples, now: float, since: float = 0.0) -> bool:
+    """Whether (when, bytes written) samples, oldest first, show more than
+    SENDING_BYTES_PER_S since `since` (within MOVING_WINDOW_S), in each half of it."""
+    recent = _since(samples, now, since)
+    if len(recent) < 3 or recent[-1][0] - recent[0][0] < MIN_SPAN_S:
+        return False
+    middle = (recent[0][0] + recent[-1][0]) / 2
+    first = [s for s in recent if s[0] <= middle]
+    second = [s for s in recent if s[0] >= first[-1][0]]
+    return all(len(half) >= 2 and _rate(half) > SENDING_BYTES_PER_S for half in (first, second))
+
+
+def grew(samples: Samples, now: float, since: float = 0.0) -> bool:
+    """Whether (when, count) samples grew since `since` (within MOVING_WINDOW_S)."""
+    recent = _since(samples, now, since)
+    return len(recent) >= 2 and recent[-1][1] > recent[0][1]
 
 
 class Probe(Protocol):
@@ -162,8 +181,10 @@ class HangJudge:
             if not skip and last is not None:
                 busy = self._starved(key, now) or self._cpu_rates.get(key, 0.0) > BUSY_CORES
                 busy = busy or self._probe.busy(self._pids(key[0]))
-                moving = sending(self._sent.get(key, ()), now)
-                recovering = rate_over(self._retransmitted.get(key, ()), now) > 0
+                moving = sending(self._sent.get(key, ()), now, last)
+                # Any host of a lossy link's job retransmits now and then, not necessarily
+                # since this stall began: the window alone counts here.
+                recovering = grew(self._retransmitted.get(key, ()), now)
                 moving = moving or (recovering and self._reaches_peers(key))
             verdict = judge(finding, last, skip, busy, now, moving)
             if verdict is None:

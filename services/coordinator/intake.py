@@ -42,8 +42,8 @@ def route(
 ) -> Verdict:
     """What to do with an incident a report just joined (`created`: the report opened it).
     `world_size`: its job's ranks (0 for a node's own incident); `silent_nodes`: the job's
-    nodes not heard from since its hang began (not yet lost); `accounts_pending`: a node of
-    the hung job has not reported yet (links.py)."""
+    nodes not heard from since its hang began (not yet lost); `accounts_pending`: a hang
+    names an unreachable peer and a node of the job has not reported yet (links.py)."""
     if incident.kind == common_pb2.FAILURE_KIND_STRAGGLER:
         return Verdict(Route.IGNORE, "a performance report: the planner may route around it, nothing to heal")
     undecided = bool(incident.job_id) and incident.remedy == common_pb2.REMEDY_UNSPECIFIED
@@ -85,8 +85,8 @@ def hold_is_over(
     """Whether a held incident is due for its decision (also one a restarted coordinator
     finds undecided in the store): a network error's short hold is over, or a hang's silent
     node beat again or outlasted the heartbeat timeout (then it is lost, and its loss the
-    root cause), and a hang has every node's account or waited LINK_HOLD_S, whichever
-    applies."""
+    root cause), and a hang naming an unreachable peer has every node's account or waited
+    LINK_HOLD_S, whichever applies."""
     if not incident.job_id or incident.remedy != common_pb2.REMEDY_UNSPECIFIED or not incidents.is_open(incident, now):
         return False
     held_s = now - incident.detected.ToNanoseconds() / 1e9

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from unicron.v1 import common_pb2
 
-# How long a hang of a job on several nodes waits for every node's account (their agents see
-# the same stall within a monitor period or two; one whose verdict is held, or whose host is
-# silent, is not waited for longer).
+# How long a hang naming an unreachable peer waits for every node's account (their agents
+# see the same stall within a monitor period or two; one whose verdict is held, or whose
+# host is silent, is not waited for longer).
 LINK_HOLD_S = 1.0
 
 
@@ -34,10 +34,10 @@ def reporters(incident: common_pb2.Incident) -> set[str]:
 
 
 def accounts_pending(incident: common_pb2.Incident, job_nodes: set[str]) -> bool:
-    """Whether a node of a job on several nodes has yet to report its hang: the first
-    report may come from a node whose links all work, and the account that names the
-    broken one a moment later."""
-    return len(job_nodes) > 1 and not job_nodes <= reporters(incident)
+    """Whether a hang names an unreachable peer and a node of the job has yet to report:
+    which end of a failing link is cut off takes every node's account. A hang whose
+    reports all reach their peers is the program's, answered at once."""
+    return names_a_link(incident) and not job_nodes <= reporters(incident)
 
 
 def parted_nodes(incident: common_pb2.Incident, job_nodes: set[str]) -> set[str]:

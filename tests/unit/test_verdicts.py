@@ -60,17 +60,26 @@ MIB = 1024 * 1024
 
 
 @pytest.mark.parametrize(
-    ("samples", "now", "moving"),
+    ("samples", "since", "moving"),
     [
-        ([(8.0, 0.0), (9.0, MIB), (10.0, 2 * MIB)], 10.0, True),  # 1 MiB/s: a slow link
-        ([(8.0, 0.0), (10.0, 1000.0)], 10.0, False),  # a log line: not a collective
-        ([(8.0, 0.0), (8.1, 4 * MIB), (10.0, 4 * MIB)], 10.5, False),  # a buffer filled, then nothing
-        ([(9.8, 0.0), (10.0, MIB)], 10.0, False),  # too short a look to say
-        ([], 10.0, False),
+        ([(8.0 + t / 10, t * MIB / 10) for t in range(21)], 0.0, True),  # 1 MiB/s: a slow link
+        ([(8.0, 0.0), (9.0, 500.0), (10.0, 1000.0)], 0.0, False),  # a log line: not a collective
+        # A cable pulled: the socket buffer fills at once, then nothing moves.
+        ([(8.0, 0.0), (8.1, 4 * MIB), (9.0, 4 * MIB), (10.0, 4 * MIB)], 0.0, False),
+        # A hang: the writes were the last iteration's, before it finished.
+        ([(8.0 + t / 10, t * MIB / 10) for t in range(11)] + [(9.5, MIB), (10.0, MIB)], 9.0, False),
+        ([(9.9, 0.0), (10.0, MIB)], 0.0, False),  # too short a look to say
+        ([], 0.0, False),
     ],
 )
-def test_sending(samples: list[tuple[float, float]], now: float, moving: bool) -> None:
-    assert verdicts.sending(samples, now) is moving
+def test_sending(samples: list[tuple[float, float]], since: float, moving: bool) -> None:
+    assert verdicts.sending(samples, 10.0, since) is moving
+
+
+def test_retransmissions_count_only_since_the_last_iteration() -> None:
+    samples = [(8.0, 5.0), (9.0, 7.0), (9.5, 7.0), (10.0, 7.0)]
+    assert verdicts.grew(samples, 10.0, since=8.5)
+    assert not verdicts.grew(samples, 10.0, since=9.2)
 
 
 @pytest.mark.parametrize(
