@@ -50,13 +50,19 @@ def final_state(root: Path) -> dict[str, Any]:
     return found[1]
 
 
-def assert_same_state(got: dict[str, Any], want: dict[str, Any]) -> None:
-    assert relative_difference(got["model"], want["model"]) <= 1e-6
-    # Adam's moments too: a state copy that dropped them would diverge later, not now.
+def distance(got: dict[str, Any], want: dict[str, Any]) -> float:
+    """The largest per-tensor relative difference of the parameters and Adam's moments (a
+    state copy that dropped the moments would diverge later, not now)."""
+    worst = relative_difference(got["model"], want["model"])
     for index, moments in want["optimizer"]["state"].items():
         theirs = got["optimizer"]["state"][index]
         for name in ("exp_avg", "exp_avg_sq"):
-            assert relative_difference({name: theirs[name]}, {name: moments[name]}) <= 1e-6
+            worst = max(worst, relative_difference({name: theirs[name]}, {name: moments[name]}))
+    return worst
+
+
+def assert_same_state(got: dict[str, Any], want: dict[str, Any], tolerance: float = 1e-6) -> None:
+    assert distance(got, want) <= tolerance
     assert got["scheduler"]["last_epoch"] == want["scheduler"]["last_epoch"] == ITERATIONS
     assert got["scheduler"]["_last_lr"] == pytest.approx(want["scheduler"]["_last_lr"], rel=1e-12)
 
@@ -76,6 +82,24 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return final_state(work / "ckpt")
 
 
+@pytest.fixture(scope="module")
+def data_parallel_rounding(reference: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> float:
+    """How far a failure-free run at data-parallel 2 ends from the one at 1: the same
+    mathematics, summed in another order (each rank's half-batch matmul, then the all-reduce).
+    On a CPU whose kernels block the sums differently this alone can pass 1e-6 over 20 Adam
+    steps (seen: 1.4e-6 on an AVX2 machine), so a run that changed its degree is held to
+    what changing the degree costs by itself, and never to less than 1e-6."""
+    work = tmp_path_factory.mktemp("reference-dp2")
+    agent = FakeAgent()
+    try:
+        results = run_ranks(agent, digits_spec(), 2, work, checkpoint_dir=work / "ckpt")
+    finally:
+        agent.stop()
+    for result in results:
+        assert result.returncode == 0, result.log[-3000:]
+    return distance(final_state(work / "ckpt"), reference)
+
+
 @pytest.fixture
 def agents() -> Iterator[list[Any]]:
     made: list[Any] = []
@@ -90,9 +114,12 @@ def test_a_failure_free_run_learns_and_checkpoints_its_whole_state(reference: di
     assert {"model", "optimizer", "scheduler", "rng"} <= set(reference)
 
 
-def test_shrink_by_reform_keeps_the_state_exact(reference: dict[str, Any], tmp_path: Path, agents: list[Any]) -> None:
+def test_shrink_by_reform_keeps_the_state_exact(
+    reference: dict[str, Any], data_parallel_rounding: float, tmp_path: Path, agents: list[Any]
+) -> None:
     """World 2; rank 1 exits inside iteration 8's gradient all-reduce; rank 0 reports the
-    broken group, reforms into world 1 and trains on with the whole global batch."""
+    broken group, reforms into world 1 and trains on with the whole global batch: it ends
+    where a failure-free run at 1 does, up to the rounding that 7 steps at 2 bring."""
     port, new_port = free_port(), free_port()
     agent = ReformAgent({(1, 0): 0}, generation=2, world_size=1, port=new_port, when=ReformAgent.any_error)
     agents.append(agent)
@@ -108,7 +135,7 @@ def test_shrink_by_reform_keeps_the_state_exact(reference: dict[str, Any], tmp_p
     reports = agent.of((1, 0), "iteration")
     assert [(r.iteration, r.generation) for r in reports] == [(i, 1 if i < 8 else 2) for i in range(1, ITERATIONS + 1)]
     assert (reports[7].state_source, reports[7].restored_iteration) == ("live", 7)
-    assert_same_state(final_state(root), reference)
+    assert_same_state(final_state(root), reference, max(1e-6, data_parallel_rounding))
 
 
 def test_grow_takes_the_state_from_a_live_peer(reference: dict[str, Any], tmp_path: Path, agents: list[Any]) -> None:

@@ -289,7 +289,7 @@ def apply_reform(
                 newer.generation,
                 extra={"incident": newer.incident_id},
             )
-            reform, parked, keep_state = newer, failed.parked, failed.parked.snapshot is not None
+            reform, parked, keep_state = newer, failed.parked, failed.parked.held is not None
 
 
 def _reform_once(
