@@ -1,5 +1,8 @@
-"""Simulator benchmark: every preset under every recovery strategy, the WAF each achieves, its
-ratio to Unicron, the cost per incident by phase, and the wall time of the largest run.
+"""Simulator benchmark: every preset under every recovery strategy, the WAF and the effective
+training time ratio (ETTR) each achieves, its ratio to Unicron, the cost per incident by phase,
+the wall time of the largest run; then what moves the comparison: Unicron with tensor- and
+pipeline-parallel reforms (``--reform-model-parallel``), and the elastic systems at 0.9 and
+0.75 of Megatron's failure-free throughput.
 
     python -m bench.sim [--quick] [--presets high-failure-128,meta-16k,scale-100k] [--seed S]
 
@@ -12,6 +15,7 @@ measurement, not a test. See bench/README.md ("Simulator").
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -27,17 +31,35 @@ PLOT = RESULTS.with_suffix(".png")
 PRESETS = ["high-failure-128", "meta-16k", "scale-100k"]
 # --quick: fewer simulated days per preset (development only; the targets need the full runs).
 QUICK_DAYS = {"high-failure-128": 2.0, "meta-16k": 7.0, "scale-100k": 3.0}
-# Targets (the issue): Unicron at least 1.9x checkpoint-restart on the high-failure 128-GPU
-# trace, ahead of every other strategy on every preset, 30 days on 100,000 GPUs in < 2 min.
+# Targets (the issues): Unicron at least 1.9x checkpoint-restart on the high-failure 128-GPU
+# trace (a stress test at about 250x Llama 3's failure rate, not a calibrated one); an ETTR of
+# at least 98% on meta-16k (Llama 3 405B's published failure rate) with the fitted transition
+# times; ahead of every other strategy on every preset with no throughput penalty on the others
+# (the elastic systems at 1.0 of Megatron's failure-free throughput); 30 days on 100,000 GPUs
+# in < 2 min.
 TARGET_RATIO_CR_128 = 1.9
+TARGET_ETTR_META = 0.98
 TARGET_WALL_100K_S = 120.0
+# The elastic systems' failure-free throughput relative to Megatron's: 1.0 in the main runs (no
+# number for it could be checked against the papers' own tables; unicron_sim/strategies.py),
+# and these in the sensitivity table.
+ELASTIC_FACTORS = (0.9, 0.75)
 # Presets whose Unicron runs skip the planner's DP hint (see main).
 NO_DP_HINT = frozenset({"scale-100k"})
 NOTES = [
     "ratio_unicron_over: Unicron's accumulated WAF-seconds over the strategy's (above 1: Unicron trained more)",
+    "efficiency: WAF-seconds over the strategy's own failure-free run; ettr: share of the wall time the jobs "
+    "trained (at any size; lost and recomputed work is down time), weighted by the GPUs each started on",
+    "replans: re-plans of the whole cluster (planner calls); jobs_changed_without_failure: the changes they made "
+    "to jobs no failure hit; nodes_taken_out: nodes a failure took out (each one is re-planned: checked)",
     "per incident costs are in seconds of the cluster's failure-free WAF (detection, transition, sub-healthy)",
-    "detection and transition times: bench/results/detection.json and transition.json p50 when present "
-    "(see 'timings'); the other strategies' numbers are documented models (unicron_sim/strategies.py)",
+    "detection: bench/results/detection.json p50 when present; transitions: the fitted lines of "
+    "unicron_sim/data/transition_fit.json x state bytes per rank, plus a rendezvous term per rank and the work "
+    "lost (see 'timings'); the other strategies' numbers are documented models (unicron_sim/strategies.py)",
+    "unicron prices tensor/pipeline-parallel jobs as the coordinator handles them today (snapshot or checkpoint "
+    "restarts); what_if.model_parallel_reform prices them as reforms in place (the paper's design)",
+    "the elastic systems (oobleck, varuna, bamboo) train at 1.0 of Megatron's failure-free throughput in 'runs'; "
+    "'sensitivity' reruns them at 0.9 and 0.75",
     "scale-100k's wall time is the Unicron strategy's alone (the real planner re-plans every node loss and return); "
     "its requests carry max_changed_jobs = number of jobs (never binding), which makes the planner skip its "
     "size-only DP hint (planner.dp_hint false)",
@@ -64,10 +86,20 @@ def targets(runs: list[dict[str, Any]], full: bool) -> list[dict[str, Any]]:
         value = cr["ratio_unicron_over"]
         out.append(
             {
-                "target": "high-failure-128: Unicron / megatron-cr",
+                "target": "high-failure-128 (stress, ~250x Llama 3's failure rate): Unicron / megatron-cr",
                 "limit": f">= {TARGET_RATIO_CR_128}",
                 "value": value,
                 "met": value is not None and value >= TARGET_RATIO_CR_128,
+            }
+        )
+    meta = next((r for r in runs if r["preset"] == "meta-16k" and r["strategy"] == "unicron"), None)
+    if meta is not None:
+        out.append(
+            {
+                "target": "meta-16k (Llama 3 405B's failure rate): Unicron's ETTR, fitted transition times",
+                "limit": f">= {TARGET_ETTR_META:.0%}",
+                "value": meta["ettr"],
+                "met": meta["ettr"] >= TARGET_ETTR_META,
             }
         )
     for preset in dict.fromkeys(r["preset"] for r in runs):
@@ -78,7 +110,7 @@ def targets(runs: list[dict[str, Any]], full: bool) -> list[dict[str, Any]]:
         behind = [r["strategy"] for r in others if not (r["ratio_unicron_over"] or 0.0) > 1.0]
         out.append(
             {
-                "target": f"{preset}: Unicron ahead of every other strategy",
+                "target": f"{preset}: Unicron ahead of every other strategy (elastic ones at 1.0 throughput)",
                 "limit": "> 1 (smallest ratio)",
                 "value": worst,
                 "met": not behind,
@@ -101,8 +133,8 @@ def targets(runs: list[dict[str, Any]], full: bool) -> list[dict[str, Any]]:
 def format_table(data: dict[str, Any]) -> str:
     lines = []
     header = (
-        f"{'preset':<17} {'strategy':<14} {'WAF FLOP-s':>11} {'eff':>6} {'U/x':>6} {'incid':>6} "
-        f"{'det/inc':>8} {'trans/inc':>9} {'sub/inc':>8} {'wall s':>7}"
+        f"{'preset':<17} {'strategy':<14} {'WAF FLOP-s':>11} {'eff':>6} {'ETTR':>7} {'U/x':>6} {'incid':>6} "
+        f"{'replan':>6} {'det/inc':>8} {'trans/inc':>9} {'sub/inc':>8} {'wall s':>7}"
     )
     lines += [header, "-" * len(header)]
     for r in data["runs"]:
@@ -110,18 +142,73 @@ def format_table(data: dict[str, Any]) -> str:
         ratio = r["ratio_unicron_over"]
         lines.append(
             f"{r['preset']:<17} {r['strategy']:<14} {r['waf_flops_seconds']:>11.3e} {r['efficiency']:>6.3f} "
-            f"{(f'{ratio:.2f}' if ratio else '-'):>6} {r['incidents']:>6} {per['detection']:>8.2f} "
-            f"{per['transition']:>9.2f} {per['sub_healthy']:>8.2f} {r['wall_s']:>7.2f}"
+            f"{100 * r['ettr']:>6.2f}% {(f'{ratio:.2f}' if ratio else '-'):>6} {r['incidents']:>6} {r['replans']:>6} "
+            f"{per['detection']:>8.2f} {per['transition']:>9.2f} {per['sub_healthy']:>8.2f} {r['wall_s']:>7.2f}"
         )
-    lines.append("U/x: Unicron over the strategy; det/trans/sub: per incident, in seconds of the cluster's")
-    lines.append("failure-free WAF")
+    lines.append("eff: WAF over the strategy's failure-free run; ETTR: share of the wall time trained; U/x: Unicron")
+    lines.append("over the strategy; replan: cluster re-plans; det/trans/sub: per incident, in seconds of the")
+    lines.append("cluster's failure-free WAF")
+    whatifs = data.get("what_if", {}).get("model_parallel_reform", [])
+    if whatifs:
+        lines += ["", "What if tensor/pipeline-parallel jobs reformed in place (--reform-model-parallel):"]
+        for w in whatifs:
+            ratios = ", ".join(f"{k} {v:.3f}" for k, v in w["ratio_over"].items() if v)
+            lines.append(
+                f"  {w['preset']:<17} unicron eff {w['efficiency']:.3f}, ETTR {100 * w['ettr']:.2f}%; over: {ratios}"
+            )
+    rows = data.get("sensitivity", {}).get("elastic_failure_free_factor", [])
+    if rows:
+        lines += ["", "Unicron over the elastic systems at a failure-free throughput penalty (1.0 = 'runs'):"]
+        for row in rows:
+            ratios = ", ".join(f"{k} {v:.3f}" for k, v in row["ratio_unicron_over"].items() if v)
+            lines.append(f"  {row['preset']:<17} factor {row['factor']:<5} {ratios}")
     lines.append("")
     for t in data["targets"]:
         value = t["value"]
-        shown = f"{value:.3f}" if isinstance(value, float) else str(value)
+        shown = f"{value:.4f}" if isinstance(value, float) else str(value)
         extra = f" (behind: {', '.join(t['behind'])})" if t.get("behind") else ""
         lines.append(f"{'PASS' if t['met'] else 'FAIL'}  {t['target']}: {shown} (target {t['limit']}){extra}")
     return "\n".join(lines)
+
+
+def what_if(preset: str, scenario: sim.Scenario, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Unicron alone with model-parallel reforms over the same trace, against the main runs."""
+    reform = dataclasses.replace(
+        scenario,
+        strategies=("unicron",),
+        unicron=dataclasses.replace(scenario.unicron, model_parallel_reform=True),
+    )
+    (result,) = sim.run(reform).results
+    others = {
+        r["strategy"]: r["waf_flops_seconds"] for r in runs if r["preset"] == preset and r["strategy"] != "unicron"
+    }
+    return {
+        "preset": preset,
+        "efficiency": round(result.efficiency, 4),
+        "ettr": round(result.ettr, 5),
+        "waf_flops_seconds": result.waf_seconds,
+        "ratio_over": {k: round(result.waf_seconds / v, 4) if v else None for k, v in others.items()},
+        "wall_s": round(result.wall_s, 3),
+    }
+
+
+def sensitivity(preset: str, scenario: sim.Scenario, unicron_waf: float) -> list[dict[str, Any]]:
+    """The elastic systems again at each penalty in ELASTIC_FACTORS, over the same trace."""
+    out = []
+    for factor in ELASTIC_FACTORS:
+        rerun = dataclasses.replace(
+            scenario, strategies=strategies.ELASTIC, elastic=strategies.ElasticSettings.uniform(factor)
+        )
+        results = sim.run(rerun).results
+        out.append(
+            {
+                "preset": preset,
+                "factor": factor,
+                "ratio_unicron_over": {r.strategy: round(unicron_waf / r.waf_seconds, 4) for r in results},
+                "ettr": {r.strategy: round(r.ettr, 5) for r in results},
+            }
+        )
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown presets: {', '.join(unknown)}; known: {', '.join(traces.PRESETS)}")
     began = time.perf_counter()
     runs: list[dict[str, Any]] = []
+    whatifs: list[dict[str, Any]] = []
+    sensitivities: list[dict[str, Any]] = []
     panels: list[tuple[str, list[sim.RunResult]]] = []
     timings: dict[str, Any] = {}
     planner: dict[str, Any] = {}
@@ -159,11 +248,16 @@ def main(argv: list[str] | None = None) -> int:
         log(f"{preset}: {len(outcome.trace)} failures, Unicron {unicron.wall_s:.1f} s, planner {unicron.planner}")
         title = f"{preset}: {outcome.cluster.gpus:,} GPUs, {outcome.duration_s / traces.DAY_S:g} days"
         panels.append((title, outcome.results))
+        log(f"{preset}: Unicron with model-parallel reforms; elastic systems at {ELASTIC_FACTORS}")
+        whatifs.append(what_if(preset, scenario, runs))
+        sensitivities += sensitivity(preset, scenario, unicron.waf_seconds)
     report.plot(panels, args.plot)
     data: dict[str, Any] = {
         "runs": runs,
         "wall_s": round(time.perf_counter() - began, 1),
         "targets": targets(runs, full=not args.quick),
+        "what_if": {"model_parallel_reform": whatifs},
+        "sensitivity": {"elastic_failure_free_factor": sensitivities},
         "planner": planner,
         "timings": timings,
         "settings": {"seed": args.seed, "quick": args.quick, "presets": presets},

@@ -17,7 +17,10 @@ from unicron.errors import InvalidArgument
 from unicron.v1 import common_pb2
 
 NAME_PATTERN = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
-MAX_WORLD_SIZE = 4096
+# Ranks one job may ask for: the largest published training runs use 16k-100k GPUs (Llama 3
+# 405B: 16,384), so 2^17. Only a bound on what one spec may ask: the cluster's capacity check
+# refuses what does not fit.
+MAX_WORLD_SIZE = 131_072
 
 _INTEGER_TYPES = {
     FieldDescriptor.TYPE_UINT32,
@@ -172,14 +175,6 @@ def validate(spec: common_pb2.JobSpec) -> None:
     _require(train.iterations > 0, "spec.training.iterations", "is required and must be positive")
     _require(train.global_batch_size > 0, "spec.training.global_batch_size", "is required and must be positive")
     _require(train.learning_rate > 0, "spec.training.learning_rate", "must be positive")
-    for dp in range(par.min_data, par.max_data + 1):
-        # Every allowed data-parallel degree must split the global batch evenly, or a
-        # resize would change what the optimizer sees.
-        _require(
-            train.global_batch_size % (train.micro_batch_size * dp) == 0,
-            "spec.training.global_batch_size",
-            f"{train.global_batch_size} is not divisible by micro_batch_size x data ({train.micro_batch_size} x {dp})",
-        )
     _require(math.isfinite(spec.weight) and spec.weight > 0, "spec.weight", "must be a positive number")
     _require(math.isfinite(train.learning_rate), "spec.training.learning_rate", "must be a finite number")
     est = spec.estimate
@@ -207,6 +202,14 @@ def validate(spec: common_pb2.JobSpec) -> None:
             f"is not an allowed size (tensor x pipeline x data: {sorted(allowed)})",
         )
         _require(math.isfinite(flops) and flops > 0, f"spec.throughput[{size}]", "must be a positive FLOP/s value")
+    for dp in data_parallel_degrees(spec):
+        # Every data-parallel degree the job may run at must split the global batch evenly, or
+        # a resize would change what the optimizer sees.
+        _require(
+            train.global_batch_size % (train.micro_batch_size * dp) == 0,
+            "spec.training.global_batch_size",
+            f"{train.global_batch_size} is not divisible by micro_batch_size x data ({train.micro_batch_size} x {dp})",
+        )
 
 
 ENTRY_POINT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
@@ -245,6 +248,18 @@ def validate_program(program: common_pb2.ProgramSpec) -> None:
 def allowed_sizes(spec: common_pb2.JobSpec) -> list[int]:
     par = spec.parallelism
     return [par.tensor * par.pipeline * dp for dp in range(par.min_data, par.max_data + 1)]
+
+
+def data_parallel_degrees(spec: common_pb2.JobSpec) -> list[int]:
+    """The data-parallel degrees a job may run at: its throughput profile's sizes when it
+    declares one (the planner offers a job only those: services.planner.domain.allowed_sizes),
+    else every degree from min_data to max_data. A job whose batch only some degrees split
+    lists those in its profile."""
+    par = spec.parallelism
+    if spec.throughput:
+        unit = max(1, par.tensor * par.pipeline)
+        return sorted(size // unit for size in spec.throughput)
+    return list(range(par.min_data, par.max_data + 1))
 
 
 # fp32 parameters, gradients and Adam's two moments.

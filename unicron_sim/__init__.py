@@ -26,6 +26,7 @@ class Scenario:
     repair_mean_s: float | None = None
     strategies: tuple[str, ...] = strategy.STRATEGIES
     unicron: strategy.UnicronSettings = field(default_factory=strategy.UnicronSettings)
+    elastic: strategy.ElasticSettings = field(default_factory=strategy.ElasticSettings)
 
     def __post_init__(self) -> None:
         if self.preset not in traces.PRESETS:
@@ -89,7 +90,11 @@ def run(scenario: Scenario, results_dir: Path = timings.RESULTS_DIR, samples: in
     cluster, trace, duration, rate = prepare(scenario)
     measured = timings.load(results_dir)
     config = strategy.StrategyConfig(
-        timings=measured, failure_rate_per_node_per_s=rate, unicron=scenario.unicron, seed=scenario.seed
+        timings=measured,
+        failure_rate_per_node_per_s=rate,
+        unicron=scenario.unicron,
+        elastic=scenario.elastic,
+        seed=scenario.seed,
     )
     results = simulate(cluster, trace, duration, scenario.strategies, config, samples)
     return Outcome(scenario, cluster, trace, duration, rate, measured, results)

@@ -40,11 +40,25 @@ def add_parser(sub: Any) -> None:
         action="store_true",
         help="skip the planner's size-only DP hint (a never-binding cap; faster on 10,000+ nodes)",
     )
+    cmd.add_argument(
+        "--reform-model-parallel",
+        action="store_true",
+        help="price tensor/pipeline-parallel jobs' transitions as reforms in place (the paper's design) "
+        "instead of the snapshot or checkpoint restarts the coordinator does today",
+    )
+    cmd.add_argument(
+        "--elastic-factor",
+        type=float,
+        default=None,
+        help="failure-free throughput of oobleck, varuna and bamboo relative to Megatron's (default 1.0)",
+    )
 
 
 def run(args: argparse.Namespace, out: TextIO) -> int:
     if args.gpus is not None and args.gpus <= 0:
         raise InvalidArgument("gpus", "must be positive")
+    if args.elastic_factor is not None and not 0.0 < args.elastic_factor <= 1.0:
+        raise InvalidArgument("elastic-factor", "must lie in (0, 1]")
     scenario = sim.Scenario(
         preset=args.preset,
         gpus=args.gpus,
@@ -54,7 +68,10 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
         failure_rate_per_node_per_s=args.rate,
         repair_mean_s=None if args.repair_hours is None else args.repair_hours * 3600.0,
         strategies=sim.strategy_names(args.strategies),
-        unicron=strategies.UnicronSettings(dp_hint=not args.no_dp_hint),
+        unicron=strategies.UnicronSettings(
+            dp_hint=not args.no_dp_hint, model_parallel_reform=args.reform_model_parallel
+        ),
+        elastic=strategies.ElasticSettings.uniform(args.elastic_factor),
     )
     outcome = sim.run(scenario)
     if args.save_trace is not None:

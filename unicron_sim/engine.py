@@ -15,6 +15,10 @@ before the failure, and sub-healthy running afterwards, at the WAF lost by runni
 GPUs than before (``cost.size_loss``), until the job is back at that size or its next incident.
 A job changed by a re-plan without being hit gets a ``replan`` record, priced the same way.
 
+Effective training time (``JobRun.up_s``): the seconds a job trains, at whatever size; the
+strategies charge lost and recomputed work as time down, so it is productive time. ETTR is its
+share of the wall time (``runner.RunResult.ettr``).
+
 Strategies (``strategies``) act through the methods below; the loop itself knows no policy.
 """
 
@@ -75,6 +79,8 @@ class JobRun:
     incident: Incident | None = None  # open (not resumed) or accruing sub-healthy time
     sub_since: float = 0.0
     resume_t: float = 0.0  # when the scheduled resume is due
+    up_s: float = 0.0  # seconds trained until up_since
+    up_since: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)  # a strategy's own per-job state
 
     @property
@@ -121,6 +127,7 @@ class Sim:
         self.timeline: list[tuple[float, float]] = [(0.0, 0.0)]
         self.failures_seen = 0
         self.failures_ignored = 0  # on a node already out
+        self.taken_out: list[float] = []  # when each node went out (for the re-plan invariant)
         self.counters: dict[str, int] = {}
         for k in range(1, samples + 1):
             self.at(duration_s * k / samples, self._sample)
@@ -153,6 +160,9 @@ class Sim:
         self._advance(self.duration_s)
         for job in self.jobs:
             self._accrue(job)
+            if job.up:
+                job.up_s += self.now - job.up_since
+                job.up_since = self.now
 
     def _advance(self, t: float) -> None:
         if t > self._last:
@@ -178,6 +188,10 @@ class Sim:
 
     def _set_up(self, job: JobRun, up: bool) -> None:
         self._accrue(job)  # charged at the state it was in until now
+        if job.up and not up:
+            job.up_s += self.now - job.up_since
+        elif up and not job.up:
+            job.up_since = self.now
         job.up = up
         self._set_rate(job)
 
@@ -210,6 +224,7 @@ class Sim:
         if self.down[node]:
             return
         self.down[node] = True
+        self.taken_out.append(self.now)
         self.at(self.now + repair_s, self._repaired, node)
 
     def _repaired(self, node: int) -> None:
@@ -248,6 +263,12 @@ class Sim:
         job.nodes = list(nodes)
         for n in job.nodes:
             self.owner[n] = job.index
+
+    def place(self, job: JobRun, nodes: Sequence[int]) -> None:
+        """Before anything runs: the job starts on ``nodes`` instead (none: it waits), at no
+        cost (it arrives there; the coordinator's first plan places it)."""
+        self.assign(job, nodes)
+        self._set_up(job, bool(nodes))
 
     def change(self, job: JobRun, nodes: Sequence[int], transition_s: float, why: str = "replan") -> None:
         """A job not hit by a failure moves to ``nodes`` and pays ``transition_s``: a ``replan``

@@ -4,7 +4,22 @@ Jobs. Every job is a Megatron-style GPT run with tensor parallelism 8 (one TP gr
 node, as large-model runs place it), pipeline degree ``pipeline`` and a data-parallel degree
 between ``min_dp`` and ``max_dp``; it starts at ``start_dp``. A data-parallel replica is
 ``pipeline`` whole nodes, so a job always holds whole nodes: ``pipeline * dp`` of them. Losing
-one node costs a whole replica (the replica's other nodes idle until the plan changes).
+one node costs a whole replica (the replica's other nodes idle until the plan changes). A job
+runs only at data-parallel degrees that split its global batch evenly (micro-batch 1: Megatron
+asserts global batch % (micro-batch x DP) == 0), so its sizes (``dps``) are the divisors of the
+batch in [min_dp, max_dp], and its throughput profile lists only those: the planner offers a
+job only its profile's sizes (``services.planner.domain.allowed_sizes``).
+
+Every job is also a job a user could submit: ``JobModel.spec`` is its JobSpec, and building a
+``JobModel`` runs it through ``unicron.jobspec.normalized``, the coordinator's own validation;
+a job it refuses is an ``InvalidArgument``, before anything is simulated.
+
+State. A rank holds its (tensor, pipeline) shard of the parameters and the optimizer state:
+``parameters / (TP x PP) x 16`` bytes (``jobspec.STATE_BYTES_PER_PARAMETER``: mixed-precision
+Adam keeps bf16 parameters and gradients, 2 + 2 bytes, and fp32 master parameters and two
+moments, 4 + 4 + 4; Rajbhandari et al., "ZeRO", 2020, sec. 3.1). Megatron's distributed
+optimizer would shard the 12 fp32 bytes over the data-parallel ranks too; this model does not,
+which overstates what a transition moves (it errs against Unicron's transitions).
 
 Throughput profile. T(x) for every allowed size comes from the planner's own estimate
 (``services.planner.domain.ThroughputEstimate``: 6 x parameters x tokens per step, 40% MFU on
@@ -15,9 +30,10 @@ planner as a measured profile (sizes -> FLOP/s), which also lists the sizes a jo
 
 Workloads (``workload``): the 128-GPU cluster runs four jobs of 1.3B-13B parameters with
 different weights; larger clusters run a mix of 405B-, 70B- and 8B-class jobs (Llama-3-like
-shapes) sized in proportion to the cluster, with about 2% of the nodes left as hot spares.
-Every large job can shrink by up to 8 data-parallel replicas (and the smaller ones grow by 2),
-so a job that loses nodes keeps training smaller while they are repaired.
+shapes) sized in proportion to the cluster; the nodes the batch divisors leave over (about 6%)
+are hot spares. Every large job can shrink to about three quarters of its replicas (the
+divisors of its batch in that range), so a job that loses nodes keeps training smaller while
+they are repaired; none grows above its start size, which is where a failure-free run keeps it.
 """
 
 from __future__ import annotations
@@ -29,11 +45,19 @@ from functools import cached_property
 from services.planner.domain import ThroughputEstimate
 from unicron import jobspec
 from unicron.errors import InvalidArgument
+from unicron.v1 import common_pb2 as pb
 
 GPUS_PER_NODE = 8
 TENSOR_PARALLEL = GPUS_PER_NODE
 VOCAB = 128_256  # Llama 3's tokenizer
 SEQ_LENGTH = 8_192
+# Persistent checkpoints about every 30 minutes, as the checkpoint-restart baseline assumes
+# (strategies.CheckpointSettings); each job's interval in iterations follows from its step time.
+CHECKPOINT_INTERVAL_S = 1800.0
+# In-memory snapshots every 2 iterations (the trainer's default; architecture.md, Healing).
+SNAPSHOT_EVERY = 2
+# Iterations a job is submitted for: any number; the simulation ends before it matters.
+ITERATIONS = 1_000_000
 
 
 def gpt_parameters(layers: int, hidden: int, vocab: int, seq_length: int) -> float:
@@ -67,6 +91,13 @@ class JobModel:
             value = getattr(self, name)
             _require(isinstance(value, int) and value >= 1, f"{where}.{name}", "must be an int >= 1")
         _require(self.min_dp <= self.start_dp <= self.max_dp, f"{where}.start_dp", "must lie in [min_dp, max_dp]")
+        for name in ("min_dp", "max_dp", "start_dp"):
+            _require(
+                self.global_batch % getattr(self, name) == 0,
+                f"{where}.{name}",
+                f"{getattr(self, name)} does not split the global batch {self.global_batch}",
+            )
+        jobspec.normalized(self.spec())  # the coordinator's validation of a submitted job
 
     @property
     def tensor(self) -> int:
@@ -89,13 +120,16 @@ class JobModel:
         return ThroughputEstimate(parameters=self.parameters, tokens_per_step=float(self.global_batch * SEQ_LENGTH))
 
     @cached_property
+    def dps(self) -> tuple[int, ...]:
+        """The data-parallel degrees the job may run at: those in [min_dp, max_dp] that split
+        the global batch."""
+        return tuple(dp for dp in range(self.min_dp, self.max_dp + 1) if self.global_batch % dp == 0)
+
+    @cached_property
     def profile(self) -> dict[int, float]:
         """Size in GPUs -> achieved FLOP/s, for every allowed size."""
         unit = self.tensor * self.pipeline
-        return {unit * dp: self.estimate.flops(self.tensor, self.pipeline, unit * dp) for dp in self._dps()}
-
-    def _dps(self) -> range:
-        return range(self.min_dp, self.max_dp + 1)
+        return {unit * dp: self.estimate.flops(self.tensor, self.pipeline, unit * dp) for dp in self.dps}
 
     def flops(self, gpus: int) -> float:
         """T(x); 0 when x is 0. x must be an allowed size."""
@@ -107,8 +141,8 @@ class JobModel:
 
     def best_size_within(self, nodes: int) -> int:
         """The largest allowed size (GPUs) that fits on ``nodes`` whole nodes; 0 if none."""
-        dp = min(self.max_dp, nodes // self.pipeline)
-        return self.tensor * self.pipeline * dp if dp >= self.min_dp else 0
+        dp = max((d for d in self.dps if d * self.pipeline <= nodes), default=0)
+        return self.tensor * self.pipeline * dp
 
     def iteration_s(self, gpus: int) -> float:
         """Seconds per optimizer step at size x (the hang detector's scale)."""
@@ -117,6 +151,36 @@ class JobModel:
     @property
     def state_bytes(self) -> float:
         return self.parameters * jobspec.STATE_BYTES_PER_PARAMETER
+
+    @property
+    def state_bytes_per_rank(self) -> float:
+        """One rank's shard of the state (module docstring: State)."""
+        return self.state_bytes / (self.tensor * self.pipeline)
+
+    @cached_property
+    def checkpoint_interval(self) -> int:
+        """Iterations between persistent checkpoints: about CHECKPOINT_INTERVAL_S at the start size."""
+        return max(1, round(CHECKPOINT_INTERVAL_S / self.iteration_s(self.start_nodes * GPUS_PER_NODE)))
+
+    def spec(self) -> pb.JobSpec:
+        """The job as a user would submit it: program, model size, parallelism, batch, weight and
+        the throughput profile (which names the sizes it may run at)."""
+        spec = pb.JobSpec(name=self.job_id, weight=self.weight, preemptible=True)
+        spec.program.entry_point = "examples.gpt.train:main"
+        spec.estimate.parameters = self.parameters
+        spec.estimate.tokens_per_step = float(self.global_batch * SEQ_LENGTH)
+        spec.parallelism.tensor = self.tensor
+        spec.parallelism.pipeline = self.pipeline
+        spec.parallelism.data = self.start_dp
+        spec.parallelism.min_data = self.min_dp
+        spec.parallelism.max_data = self.max_dp
+        spec.training.iterations = ITERATIONS
+        spec.training.global_batch_size = self.global_batch
+        spec.training.micro_batch_size = 1
+        spec.training.checkpoint_interval = self.checkpoint_interval
+        for size, flops in self.profile.items():
+            spec.throughput[size] = flops
+        return spec
 
 
 @dataclass(frozen=True)
@@ -163,52 +227,58 @@ SHAPES: dict[str, tuple[int, int]] = {
 
 
 def small_workload(nodes: int = 16) -> ClusterModel:
-    """No spare: four jobs of different weight, two of them elastic upwards. At 16 nodes: a 13B
-    job on 3 replicas of 2 nodes, two 7B jobs on 4 nodes each and a 1.3B job on 2; other node
-    counts (16 to 255) scale every degree with the cluster."""
+    """No spare: four jobs of different weight. At 16 nodes: a 13B job on 3 replicas of 2 nodes,
+    two 7B jobs on 4 nodes each and a 1.3B job on 2; other node counts (16 to 255) scale every
+    degree with the cluster. Each may shrink, none grows above its start size: a job that could
+    would take the lighter jobs' nodes on arrival (the planner pauses the 1.3B job, weight 0.5,
+    to grow the 7B ones), and every strategy must start alike. The batch, 240 x the scale, is
+    split evenly by every degree the 16-node cluster allows (1-4) and by their multiples."""
     _require(16 <= nodes < 256, "nodes", "the small workload needs 16 to 255 nodes")
     s = nodes // 16
 
     def job(job_id: str, weight: float, shape: str, pp: int, lo: int, hi: int, start: int) -> JobModel:
         return JobModel(job_id, weight, *SHAPES[shape], pipeline=pp, min_dp=lo * s, max_dp=hi * s, start_dp=start * s,
-                        global_batch=256)  # fmt: skip
+                        global_batch=240 * s)  # fmt: skip
 
     jobs = (
         job("a-13b", 2.0, "13b", 2, 2, 3, 3),
-        job("b-7b", 1.0, "7b", 1, 2, 6, 4),
-        job("c-7b", 1.0, "7b", 1, 1, 6, 4),
-        job("d-1.3b", 0.5, "1.3b", 1, 1, 4, 2),
+        job("b-7b", 1.0, "7b", 1, 2, 4, 4),
+        job("c-7b", 1.0, "7b", 1, 1, 4, 4),
+        job("d-1b3", 0.5, "1.3b", 1, 1, 2, 2),
     )
     return ClusterModel(nodes, jobs)
 
 
-# (shape, pipeline degree, weight, share of the busy nodes, grows above its start size)
-LARGE_MIX: tuple[tuple[str, int, float, float, bool], ...] = (
-    ("405b", 16, 2.0, 0.40, False),
-    ("70b", 8, 1.5, 0.30, False),
-    ("70b", 4, 1.0, 0.15, True),
-    ("8b", 1, 0.5, 0.15, True),
+# (shape, pipeline degree, weight, share of the nodes, global batch in sequences of SEQ_LENGTH).
+# Batches are chosen for their divisors, so that each job has a few data-parallel degrees to
+# shrink to: 2,520 sequences (20.6M tokens; Llama 3 405B ended at 16M) for the 405B and 8B
+# shapes, 1,008 (8.3M tokens) for the 70B ones.
+LARGE_MIX: tuple[tuple[str, int, float, float, int], ...] = (
+    ("405b", 16, 2.0, 0.40, 2520),
+    ("70b", 8, 1.5, 0.30, 1008),
+    ("70b", 4, 1.0, 0.15, 1008),
+    ("8b", 1, 0.5, 0.15, 2520),
 )
 
-
-# A large job may shrink by this many data-parallel replicas and (some) grow by this many: a few
-# sizes each, which keeps the planner's problem small. At the Llama 3 failure rate and a day's
-# repair, a job of a few hundred nodes has about one node out at a time.
-SHRINK_REPLICAS = 8
-GROW_REPLICAS = 2
+# A large job may shrink to this fraction of its start replicas (the batch's divisors in between):
+# a few sizes each, which keeps the planner's problem small. At the Llama 3 failure rate and a
+# day's repair, a job of a few hundred nodes has about one node out at a time.
+SHRINK_TO = 0.75
 
 
-def large_workload(nodes: int, jobs: int, spare_fraction: float = 0.02) -> ClusterModel:
-    """``jobs`` jobs (a multiple of len(LARGE_MIX) works best) over ``nodes`` nodes, about
-    ``spare_fraction`` of the nodes left free. Each mix entry's share of the busy nodes is split
-    evenly between its copies."""
+def large_workload(nodes: int, jobs: int) -> ClusterModel:
+    """``jobs`` jobs (a multiple of len(LARGE_MIX) works best) over ``nodes`` nodes. Each mix
+    entry's share of the nodes is split evenly between its copies; each job takes the largest
+    data-parallel degree that splits its batch and fits its share, and what that leaves free is
+    spare (about 6% of the nodes at 16k and 100k GPUs)."""
     _require(jobs >= len(LARGE_MIX), "jobs", f"must be at least {len(LARGE_MIX)}")
-    busy = int(nodes * (1.0 - spare_fraction))
     copies = [jobs // len(LARGE_MIX) + (1 if i < jobs % len(LARGE_MIX) else 0) for i in range(len(LARGE_MIX))]
     out: list[JobModel] = []
-    for (shape, pp, weight, share, grows), count in zip(LARGE_MIX, copies, strict=True):
+    for (shape, pp, weight, share, batch), count in zip(LARGE_MIX, copies, strict=True):
         for _ in range(count):
-            dp = max(1, int(busy * share / count) // pp)
+            fits = max(1, int(nodes * share / count) // pp)
+            dp = max(d for d in range(1, fits + 1) if batch % d == 0)
+            low = math.ceil(dp * SHRINK_TO)
             out.append(
                 JobModel(
                     job_id=f"{shape}-{len(out):02d}",
@@ -216,11 +286,10 @@ def large_workload(nodes: int, jobs: int, spare_fraction: float = 0.02) -> Clust
                     layers=SHAPES[shape][0],
                     hidden=SHAPES[shape][1],
                     pipeline=pp,
-                    min_dp=max(1, dp - SHRINK_REPLICAS),
-                    max_dp=dp + GROW_REPLICAS if grows else dp,
+                    min_dp=min(d for d in range(low, dp + 1) if batch % d == 0),
+                    max_dp=dp,
                     start_dp=dp,
-                    # Llama 3 405B used 16M-token batches; smaller runs, about 4M tokens.
-                    global_batch=2048 if shape == "405b" else 512,
+                    global_batch=batch,
                 )
             )
     return ClusterModel(nodes, tuple(out))

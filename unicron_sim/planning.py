@@ -2,12 +2,14 @@
 process, over the simulated cluster.
 
 What runs is the production path minus the RPC hops: the simulated jobs and nodes become
-protobuf ``Job`` and ``Node`` messages, ``decide.hit_jobs`` and ``decide.plan_request`` build
-the request (with the measured restart and resize times put into each job's transition
-estimate), ``services.planner.server.request_from_proto`` turns it into the planner's domain
-request, ``solver.plan`` solves it (CP-SAT), ``server.result_to_proto`` and
-``decide.plan_changes`` turn the answer into per-job changes. Nothing of the policy is
-reimplemented here; this module only maps nodes.
+protobuf ``Job`` and ``Node`` messages (each job's spec is ``JobModel.spec``, validated as a
+submitted one), ``decide.hit_jobs`` and ``decide.plan_request`` build the request (with each
+job's restart, resize and migrate estimates replaced by what the simulator will charge for
+them, ``transitions``, unless ``Estimates`` is left out),
+``services.planner.server.request_from_proto`` turns it into the planner's domain request,
+``solver.plan`` solves it (CP-SAT), ``server.result_to_proto`` and ``decide.plan_changes`` turn
+the answer into per-job changes. Nothing of the policy is reimplemented here; this module only
+maps nodes.
 
 Node groups (``group_nodes``, on by default). Every simulated job holds whole nodes (TP 8 fills
 a node; ``model``), so the planner's answer depends on a node only through which job holds it
@@ -27,18 +29,17 @@ cost milliseconds instead of about a second (the planner builds variables per no
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from services.coordinator import decide
 from services.coordinator import state as job_state
 from services.planner import server as planner_server
 from services.planner import solver
-from services.planner.domain import DEFAULT_DP_BANDWIDTH_BYTES_PER_S
 from unicron.v1 import common_pb2 as pb
 from unicron.v1 import planner_service_pb2
 from unicron_sim.engine import JobRun, Sim
-from unicron_sim.model import GPUS_PER_NODE, SEQ_LENGTH, JobModel
+from unicron_sim.model import GPUS_PER_NODE, JobModel
 
 SOLVED = (planner_service_pb2.SOLVE_STATUS_OPTIMAL, planner_service_pb2.SOLVE_STATUS_FEASIBLE)
 
@@ -63,39 +64,17 @@ class PlanStats:
     max_seconds: float = 0.0
     statuses: dict[str, int] = field(default_factory=dict)
     request_nodes_max: int = 0
-
-
-def job_spec(model: JobModel) -> pb.JobSpec:
-    """The job as a user would submit it: model shape, parallelism, weight, profile."""
-    spec = pb.JobSpec(name=model.job_id, weight=model.weight, preemptible=True)
-    spec.program.entry_point = "examples.gpt.train:main"
-    spec.estimate.parameters = model.parameters
-    spec.estimate.tokens_per_step = float(model.global_batch * SEQ_LENGTH)
-    spec.parallelism.tensor = model.tensor
-    spec.parallelism.pipeline = model.pipeline
-    spec.parallelism.data = model.start_dp
-    spec.parallelism.min_data = model.min_dp
-    spec.parallelism.max_data = model.max_dp
-    spec.training.global_batch_size = model.global_batch
-    for size, flops in model.profile.items():
-        spec.throughput[size] = flops
-    return spec
+    times: list[float] = field(default_factory=list)  # simulated time of every call
 
 
 @dataclass(frozen=True)
-class Shard:
-    state_bytes: float
-    bandwidth_bytes_per_s: float
+class Estimates:
+    """A job's transition estimates for the planner, in seconds: restart in place, resize onto
+    nodes it holds, migrate (gain a node)."""
 
-
-def migration_shard(model: JobModel) -> Shard:
-    """What a node that joins a job fetches, and how fast: its pipeline stage's share of the
-    state (parameters, gradients, Adam moments: state / PP; its 8 GPUs hold the TP shards of
-    one stage) from a data-parallel peer that holds the same stage, over one 400 Gb/s NIC
-    (the planner's own per-GPU data-parallel bandwidth, DEFAULT_DP_BANDWIDTH_BYTES_PER_S).
-    The coordinator's request today charges the whole job state over 1.25 GB/s instead
-    (decide.plan_request), about 87 min for a 405B model: see bench/README.md."""
-    return Shard(model.state_bytes / model.pipeline, DEFAULT_DP_BANDWIDTH_BYTES_PER_S)
+    restart_s: float
+    resize_s: float
+    migrate_s: float
 
 
 class Planner:
@@ -105,20 +84,16 @@ class Planner:
         self,
         jobs: Sequence[JobModel],
         failure_rate_per_node_per_s: float,
-        restart_s: float,
-        resize_s: float,
+        estimates: Mapping[str, Estimates] | None = None,
         time_limit_s: float = 1.0,
         group_nodes: bool = True,
-        shard_migration: bool = True,
         dp_hint: bool = True,
     ) -> None:
-        self.specs = {m.job_id: job_spec(m) for m in jobs}
-        self.models = {m.job_id: m for m in jobs}
-        self.shard_migration = shard_migration
+        """``estimates`` by job id; None leaves the coordinator's own in the request."""
+        self.specs = {m.job_id: m.spec() for m in jobs}
+        self.estimates = dict(estimates) if estimates is not None else None
         self.dp_hint = dp_hint
         self.rate = failure_rate_per_node_per_s
-        self.restart_s = restart_s
-        self.resize_s = resize_s
         self.time_limit_s = time_limit_s
         self.group_nodes = group_nodes
         self.stats = PlanStats()
@@ -178,13 +153,14 @@ class Planner:
         rate = self.rate * healthy_nodes / healthy_groups if healthy_groups else self.rate
         hit = decide.hit_jobs(jobs, nodes)
         request = decide.plan_request(jobs, nodes, rate, self.time_limit_s, hit)
-        for plan_job in request.jobs:
-            plan_job.transition.restart_seconds = self.restart_s
-            plan_job.transition.resize_seconds = self.resize_s
-            if self.shard_migration:
-                shard = migration_shard(self.models[plan_job.job_id])
-                plan_job.transition.state_bytes = shard.state_bytes
-                plan_job.transition.bandwidth_bytes_per_second = shard.bandwidth_bytes_per_s
+        estimates = self.estimates or {}
+        for plan_job in request.jobs if estimates else ():
+            estimate = estimates[plan_job.job_id]
+            plan_job.transition.restart_seconds = estimate.restart_s
+            plan_job.transition.resize_seconds = estimate.resize_s
+            # The whole migration in migrate_seconds: the estimate already holds the bytes.
+            plan_job.transition.migrate_seconds = estimate.migrate_s
+            plan_job.transition.state_bytes = 0.0
         if not self.dp_hint:
             # A cap no plan can reach (every job changing is allowed); the planner skips its
             # size-only DP hint when a cap is set (greedy.size_only_targets).
@@ -195,6 +171,7 @@ class Planner:
         elapsed = time.perf_counter() - started
         stats = self.stats
         stats.calls += 1
+        stats.times.append(sim.now)
         stats.seconds += elapsed
         stats.max_seconds = max(stats.max_seconds, elapsed)
         stats.statuses[result.status] = stats.statuses.get(result.status, 0) + 1

@@ -1,7 +1,11 @@
 """What a simulation reports: a table, JSON rows and a PNG plot of accumulated WAF over time.
 
 Ratios are Unicron's WAF-seconds over each strategy's (``ratio_unicron_over``): above 1, Unicron
-trained more. The cost split per strategy is the coordinator's cost model summed over the
+trained more. ``efficiency`` is a strategy's WAF-seconds over its own failure-free run's; ``ettr``
+(effective training time ratio) the share of the wall time its jobs trained, weighted by their
+GPUs (``runner.RunResult.ettr``). ``replans`` counts re-plans of the whole cluster (planner
+calls); ``jobs_changed_without_failure`` the changes those re-plans made to jobs no failure had
+hit. The cost split per strategy is the coordinator's cost model summed over the
 incidents (``runner.RunResult.cost_split``), per incident, in units of the cluster's
 failure-free WAF x seconds (``cluster-s``: seconds of the whole cluster's failure-free work).
 """
@@ -39,13 +43,17 @@ def rows(results: Sequence[RunResult], failure_free_waf: float) -> list[dict[str
                 "waf_flops_seconds": r.waf_seconds,
                 "ratio_unicron_over": round(ratio, 4) if ratio else None,
                 "efficiency": round(r.efficiency, 4),
+                "ettr": round(r.ettr, 5),
+                "ettr_min_job": round(min(r.ettr_by_job.values(), default=0.0), 5),
                 "failure_free_waf_flops_seconds": r.failure_free_waf_seconds,
                 "incidents": int(split["incidents"]),
                 "detection_waf_seconds": split["detection_ws"],
                 "transition_waf_seconds": split["transition_ws"],
                 "sub_healthy_waf_seconds": split["sub_healthy_ws"],
-                "replans": int(split["replans"]),
-                "replan_waf_seconds": split["replan_transition_ws"] + split["replan_sub_healthy_ws"],
+                "nodes_taken_out": r.nodes_taken_out,
+                "replans": r.replans,
+                "jobs_changed_without_failure": int(split["replans"]),
+                "changes_without_failure_waf_seconds": split["replan_transition_ws"] + split["replan_sub_healthy_ws"],
                 "per_incident_cluster_s": {
                     "detection": round(split["detection_ws"] / n / unit, 3),
                     "transition": round(split["transition_ws"] / n / unit, 3),
@@ -64,7 +72,7 @@ def rows(results: Sequence[RunResult], failure_free_waf: float) -> list[dict[str
 def table(results: Sequence[RunResult], failure_free_waf: float, title: str = "") -> str:
     """A fixed-width table: one line per strategy."""
     header = (
-        f"{'strategy':<14} {'WAF-s':>10} {'eff':>6} {'U/x':>6} {'incid':>6} "
+        f"{'strategy':<14} {'WAF-s':>10} {'eff':>6} {'ETTR':>7} {'U/x':>6} {'incid':>6} {'replan':>6} "
         f"{'det/inc':>8} {'trans/inc':>9} {'sub/inc':>8} {'wall s':>7}"
     )
     lines = [title, header, "-" * len(header)] if title else [header, "-" * len(header)]
@@ -73,12 +81,14 @@ def table(results: Sequence[RunResult], failure_free_waf: float, title: str = ""
         ratio = row["ratio_unicron_over"]
         lines.append(
             f"{row['strategy']:<14} {row['waf_flops_seconds']:>10.3e} {row['efficiency']:>6.3f} "
-            f"{(f'{ratio:.2f}' if ratio else '-'):>6} {row['incidents']:>6} {per['detection']:>8.2f} "
-            f"{per['transition']:>9.2f} {per['sub_healthy']:>8.2f} {row['wall_s']:>7.2f}"
+            f"{100 * row['ettr']:>6.2f}% {(f'{ratio:.2f}' if ratio else '-'):>6} {row['incidents']:>6} "
+            f"{row['replans']:>6} {per['detection']:>8.2f} {per['transition']:>9.2f} {per['sub_healthy']:>8.2f} "
+            f"{row['wall_s']:>7.2f}"
         )
     lines.append(
-        "U/x: Unicron's WAF-seconds over the strategy's; det/trans/sub per incident in seconds of the "
-        "cluster's failure-free WAF"
+        "eff: WAF over the strategy's failure-free run; ETTR: share of the wall time trained; U/x: Unicron's "
+        "WAF-seconds over the strategy's; replan: cluster re-plans; det/trans/sub per incident in seconds of "
+        "the cluster's failure-free WAF"
     )
     return "\n".join(lines)
 

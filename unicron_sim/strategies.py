@@ -14,10 +14,14 @@ unicron (this project; He et al., "Unicron", arXiv 2401.00134, SIGMOD'24 version
     Detection in band: ``timings`` (bench/results/detection.json p50 per kind; a hang or a
     stuck NCCL collective at max(measured, 3 x the job's iteration time)). The remedy is the
     coordinator's severity ladder, called for every failure with the job's past remedies
-    (``services.coordinator.ladder.choose``): reattempt in place and restart take the
-    measured transition times (transition.json p50); a reconfigure isolates the node and
-    re-plans *every* job with the real CP-SAT planner in process (``planning``), each changed
-    job paying the planner's own transition estimate; a repaired node's return re-plans too.
+    (``services.coordinator.ladder.choose``). Every transition costs what ``transitions`` says
+    for the job's shape and size: the fitted line of the action the project takes for it
+    (reattempt; restart from a peer or from the node's snapshot; shrink, grow, or a checkpoint
+    restart) over the job's state per rank, the rendezvous of its world, and the work it loses.
+    A reconfigure isolates the node and re-plans *every* job with the real CP-SAT planner in
+    process (``planning``), handed those same costs as its transition estimates; a repaired
+    node's return re-plans too, and so does the jobs' arrival at the start (which the
+    workloads are built to leave as they are: ``tests/unit/test_sim_measured.py``).
     An in-place remedy fails with probability ``remedy_failure`` (*assumption*: 10% of
     reattempts, 5% of restarts), the failure then recurring one iteration later, so the ladder
     escalates as it does in production. A job the ladder gives up on is resubmitted: requeue,
@@ -25,9 +29,9 @@ unicron (this project; He et al., "Unicron", arXiv 2401.00134, SIGMOD'24 version
 
 unicron-alone (ablation: Unicron without cost-aware planning)
     Everything as unicron, except a reconfigure re-plans nothing: the hit job shrinks to the
-    largest size its own surviving nodes hold (paying the planner's resize estimate) or waits,
+    largest size its own surviving nodes hold (a resize) or waits,
     never takes another job's slots or a spare node, and grows back onto its node when it is
-    repaired (paying the planner's migrate estimate: the node is new to it).
+    repaired (a migrate: the node is new to it). Costs as unicron's.
 
 megatron-cr (checkpoint-restart, Megatron-LM's default practice)
     The Unicron paper's account of today's recovery path (Sec. 2.3): a hang or a collective
@@ -47,18 +51,14 @@ oobleck (Jang et al., "Oobleck", SOSP'23)
     (*assumption*; the paper reports recovery in seconds to a few minutes); a repaired node
     rejoins with one more reconfiguration. Failures that do not remove a node restart the
     pipelines the same way. Detection has no hang monitoring: hangs and NCCL timeouts wait for
-    the collective timeout, the rest is seen at the agent's poll. Failure-free throughput 0.75
-    of Megatron's (*assumption*: its engine lacks Megatron's tensor-parallel kernels and
-    interleaved schedule; the Unicron paper reports Unicron about 3.7x ahead of Oobleck overall).
+    the collective timeout, the rest is seen at the agent's poll.
 
 varuna (Athlur et al., "Varuna", EuroSys'22)
     Job morphing: after a failure the job restarts from its last checkpoint in a new
     configuration on the nodes it has (no requeue, Varuna's manager stays up): setup (14 min)
     plus recompute (half of a 30-min checkpoint interval); it trains on every surviving node,
     in proportion to them; a repaired node is taken back by a planned morph (checkpoint, then
-    setup: 14 min). Detection as oobleck. Failure-free throughput 0.7 of Megatron's
-    (*assumption*: pipeline and data parallelism only, built for commodity networks; the
-    Unicron paper reports Unicron 4.8-5.8x ahead of Varuna).
+    setup: 14 min). Detection as oobleck.
 
 bamboo (Thorpe et al., "Bamboo", NSDI'23)
     Redundant computation: each node also computes its pipeline neighbour's layers, so a lost
@@ -66,9 +66,14 @@ bamboo (Thorpe et al., "Bamboo", NSDI'23)
     surviving nodes (in proportion to them); a repaired node rejoins with a 60 s
     reconfiguration (*assumption*). Failures that do not remove a node (software, network,
     hangs) are not covered by redundancy: restart from the last checkpoint, setup plus
-    recompute, no requeue. Detection as oobleck. Failure-free throughput 0.65 of Megatron's
-    (*assumption*: the redundant forward computation and the memory it takes; the Bamboo paper
-    reports overheads that grow with the pipeline depth).
+    recompute, no requeue. Detection as oobleck.
+
+Failure-free throughput of the elastic systems (``ElasticSettings``): 1.0 of Megatron's by
+default, the same as Unicron's, so that what separates the strategies is what failures cost
+them. Each plausibly trains slower than Megatron when nothing fails (Oobleck and Varuna lack
+Megatron's tensor-parallel kernels and schedules; Bamboo computes its neighbour's layers
+again), but no number for that was found that could be checked against its paper's own tables
+here, so none is assumed; bench/sim.py reports how the comparison moves at 0.9 and 0.75.
 """
 
 from __future__ import annotations
@@ -78,12 +83,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from services.coordinator import ladder
-from services.planner.domain import Transition
-from unicron.failures import kind_name
+from unicron.failures import TAXONOMY, kind_name
 from unicron.v1 import common_pb2 as pb
+from unicron_sim import transitions
 from unicron_sim.engine import Incident, JobRun, Sim
-from unicron_sim.model import GPUS_PER_NODE
-from unicron_sim.planning import Planner, migration_shard
+from unicron_sim.model import GPUS_PER_NODE, JobModel
+from unicron_sim.planning import Estimates, Move, Planner
 from unicron_sim.timings import Timings
 from unicron_sim.traces import FailureEvent, is_hardware
 
@@ -124,9 +129,14 @@ class UnicronSettings:
     # Probability that an in-place remedy does not cure the failure (*assumption*).
     remedy_failure: Mapping[str, float] = field(default_factory=lambda: {"reattempt": 0.1, "restart": 0.05})
     group_nodes: bool = True
-    # Migration priced by the node's state shard over one NIC (planning.migration_shard);
-    # False keeps the coordinator's own estimate (whole state over 1.25 GB/s).
-    shard_migration: bool = True
+    # The planner is handed what the simulator charges for each transition (transitions);
+    # False leaves the coordinator's own estimates in the request (decide.plan_request and
+    # the planner's defaults), while the simulator still charges the fitted costs.
+    fitted_estimates: bool = True
+    # Price tensor- and pipeline-parallel jobs as if the coordinator kept their ranks in place
+    # (the paper's design) instead of restarting them from a snapshot or checkpoint (what
+    # decide.kept_in_place allows today); see transitions.
+    model_parallel_reform: bool = False
     # False sets a cap no plan reaches, which makes the planner skip its size-only DP hint.
     dp_hint: bool = True
     # A planner that finds no plan is asked again after this (the coordinator's backoff cap).
@@ -163,21 +173,18 @@ def timeout_detection_s(kind: int, timings: Timings, checkpoint: CheckpointSetti
     return timings.detection_s["poll"]
 
 
-def planner_transition(job: JobRun, timings: Timings) -> Transition:
-    """The planner's transition model for a job, with the measured restart and resize times
-    and the migration shard the Unicron strategy hands the planner, for the ablation."""
-    shard = migration_shard(job.model)
-    return Transition(
-        restart_s=timings.transition_s["restart"],
-        resize_s=timings.transition_s["resize"],
-        state_bytes=shard.state_bytes,
-        bandwidth_bytes_per_s=shard.bandwidth_bytes_per_s,
-    )
+def sev1_detection_bound_s(sim: Sim, timings: Timings) -> float:
+    """The longest a SEV1 failure on a training job can wait to be noticed in band: the bound
+    on the time between a node taken out and the re-plan it causes (runner's invariant)."""
+    kinds = [int(k) for k in TAXONOMY if is_hardware(k)]
+    return max((inband_detection_s(k, job, timings) for k in kinds for job in sim.jobs), default=0.0)
 
 
 class _Base:
     name = ""
     factor = 1.0
+    # Whether every node taken out must be followed by a re-plan (the runner checks it).
+    replans_on_node_loss = False
 
     def __init__(self, timings: Timings, checkpoint: CheckpointSettings, seed: int = 0) -> None:
         self.timings = timings
@@ -206,6 +213,7 @@ class _Base:
 
 class Unicron(_Base):
     name = "unicron"
+    replans_on_node_loss = True
 
     def __init__(
         self,
@@ -222,16 +230,52 @@ class Unicron(_Base):
 
     def start(self, sim: Sim) -> None:
         super().start(sim)
+        estimates = None
+        if self.settings.fitted_estimates:
+            kinds = ("restart", "resize", "migrate")
+            estimates = {
+                job.job_id: Estimates(*(self.cost(job, kind, job.start_nodes * GPUS_PER_NODE) for kind in kinds))
+                for job in sim.cluster.jobs
+            }
         self.planner = Planner(
             sim.cluster.jobs,
             self.rate,
-            restart_s=self.timings.transition_s["restart"],
-            resize_s=self.timings.transition_s["resize"],
+            estimates,
             time_limit_s=self.settings.plan_time_limit_s,
             group_nodes=self.settings.group_nodes,
-            shard_migration=self.settings.shard_migration,
             dp_hint=self.settings.dp_hint,
         )
+        self._arrive(sim)
+
+    def cost(self, job: JobModel, kind: str, gpus: int) -> float:
+        """Seconds a change of ``kind`` costs ``job`` on ``gpus`` GPUs (``transitions``)."""
+        return transitions.seconds(job, kind, gpus, self.timings.fit, self.settings.model_parallel_reform)
+
+    def move_cost(self, move: Move) -> float:
+        """What the simulator charges for a planned change (the planner's estimate may differ)."""
+        if move.kind == "pause" or not move.nodes:
+            return 0.0
+        kind = "start" if move.kind == "start" else (move.transition or "restart")
+        return self.cost(move.job.model, kind, len(move.nodes) * GPUS_PER_NODE)
+
+    def _arrive(self, sim: Sim) -> None:
+        """The jobs' arrival: the coordinator plans them, all pending on an empty cluster,
+        before they run (free of charge). The workloads are built so that this keeps every
+        job at its start size; should it not, Unicron runs where its planner put the jobs."""
+        assert self.planner is not None
+        before = [list(job.nodes) for job in sim.jobs]
+        for job in sim.jobs:
+            sim.place(job, [])
+        moves = self.planner.plan(sim)
+        if moves is None:  # no plan: they run where they were submitted
+            for job, nodes in zip(sim.jobs, before, strict=True):
+                sim.place(job, nodes)
+            return
+        for move in moves:
+            sim.place(move.job, move.nodes)
+        for job, nodes in zip(sim.jobs, before, strict=True):
+            if len(job.nodes) != len(nodes):
+                sim.count("sized differently on arrival")
 
     def on_failure(self, sim: Sim, event: FailureEvent) -> None:
         hit = self._hit(sim, event)
@@ -270,7 +314,7 @@ class Unicron(_Base):
         incident.remedy = name
         sim.count(f"remedy {name}")
         if decision.remedy in (pb.REMEDY_REATTEMPT, pb.REMEDY_RESTART):
-            seconds = self.timings.transition_s[name]
+            seconds = self.cost(job.model, name, job.gpus)
             sim.resume_at(job, sim.now + seconds)
             if self.rng.random() < self.settings.remedy_failure.get(name, 0.0):
                 iteration = job.model.iteration_s(job.model.start_nodes * GPUS_PER_NODE)
@@ -298,11 +342,15 @@ class Unicron(_Base):
             return
         for move in moves:
             sim.count(f"plan {move.kind} {move.transition}".strip())
-            sim.change(move.job, move.nodes, move.transition_s)
+            sim.change(move.job, move.nodes, self.move_cost(move))
 
 
 class UnicronAlone(Unicron):
     name = "unicron-alone"
+    replans_on_node_loss = False  # the ablation: no cluster re-plan
+
+    def _arrive(self, sim: Sim) -> None:
+        return None  # it plans nothing: the jobs stay where they were submitted
 
     def _reconfigured(self, sim: Sim) -> None:
         """No cluster re-plan: every job with a node out shrinks onto its own healthy nodes."""
@@ -315,7 +363,7 @@ class UnicronAlone(Unicron):
         size = job.model.best_size_within(len(alive))
         nodes = alive[: size // GPUS_PER_NODE]
         sim.count("shrink" if nodes else "wait for repair")
-        sim.change(job, nodes, planner_transition(job, self.timings).seconds("resize") if nodes else 0.0)
+        sim.change(job, nodes, self.cost(job.model, "resize", size) if nodes else 0.0)
 
     def on_repair(self, sim: Sim, node: int) -> None:
         index = self.home[node]
@@ -330,7 +378,7 @@ class UnicronAlone(Unicron):
         nodes = sorted(job.nodes + extra[: size // GPUS_PER_NODE - len(job.nodes)])
         kind = "migrate" if any(n not in job.nodes for n in nodes) else "resize"
         sim.count("grow back")
-        sim.change(job, nodes, planner_transition(job, self.timings).seconds(kind))
+        sim.change(job, nodes, self.cost(job.model, kind, size))
 
 
 class CheckpointRestart(_Base):
@@ -408,12 +456,27 @@ class _Elastic(_Base):
 
 @dataclass(frozen=True)
 class ElasticSettings:
-    oobleck_factor: float = 0.75
+    """Failure-free throughput relative to Megatron's (module docstring: 1.0 unless a number
+    can be sourced) and the recovery times assumed."""
+
+    oobleck_factor: float = 1.0
     oobleck_reconfigure_s: float = 90.0
-    varuna_factor: float = 0.7
-    bamboo_factor: float = 0.65
+    varuna_factor: float = 1.0
+    bamboo_factor: float = 1.0
     bamboo_failover_s: float = 30.0
     bamboo_rejoin_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        for name in ("oobleck_factor", "varuna_factor", "bamboo_factor"):
+            if not 0.0 < getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must lie in (0, 1]")
+
+    @classmethod
+    def uniform(cls, factor: float | None) -> ElasticSettings:
+        """Every elastic system at ``factor`` of Megatron's failure-free throughput (None: 1.0)."""
+        if factor is None:
+            return cls()
+        return cls(oobleck_factor=factor, varuna_factor=factor, bamboo_factor=factor)
 
 
 class Oobleck(_Elastic):
@@ -463,6 +526,7 @@ class Bamboo(_Elastic):
 
 
 STRATEGIES = ("unicron", "megatron-cr", "oobleck", "varuna", "bamboo", "unicron-alone")
+ELASTIC = ("oobleck", "varuna", "bamboo")
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ import pytest
 
 from unicron import jobspec
 from unicron.errors import InvalidArgument
+from unicron.v1 import common_pb2
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "gpt-tiny.yaml"
 
@@ -99,3 +100,47 @@ def test_every_allowed_data_parallel_degree_must_split_the_batch() -> None:
     with pytest.raises(InvalidArgument) as error:
         jobspec.normalized(spec)
     assert error.value.field == "spec.training.global_batch_size"
+
+
+def _large(data: int, max_data: int, batch: int, profile: dict[int, float] | None = None) -> common_pb2.JobSpec:
+    spec = jobspec.load_spec_file(EXAMPLE)
+    spec.parallelism.tensor, spec.parallelism.pipeline = 8, 16
+    spec.parallelism.data = spec.parallelism.min_data = data
+    spec.parallelism.max_data = max_data
+    spec.training.global_batch_size = batch
+    spec.training.micro_batch_size = 1
+    for size, flops in (profile or {}).items():
+        spec.throughput[size] = flops
+    return spec
+
+
+@pytest.mark.parametrize(
+    ("data", "max_data", "ok"),
+    [
+        (12, 12, True),  # Llama 3 405B on 16,384 GPUs is 1,536 ranks per 405B job here
+        (781, 781, True),  # 99,968 ranks: a 100,000-GPU run
+        (1024, 1024, True),  # 131,072 ranks: the limit
+        (1024, 1025, False),
+    ],
+)
+def test_world_sizes_of_real_runs_are_accepted(data: int, max_data: int, ok: bool) -> None:
+    spec = _large(data, max_data, batch=data * (max_data if max_data != data else 1))
+    if ok:
+        assert jobspec.world_size(jobspec.normalized(spec)) == 128 * data
+    else:
+        with pytest.raises(InvalidArgument) as error:
+            jobspec.normalized(spec)
+        assert error.value.field == "spec.parallelism"
+
+
+def test_a_profile_names_the_degrees_that_must_split_the_batch() -> None:
+    """The planner offers a job with a profile only the profile's sizes, so only those must
+    split the batch; without a profile every degree in the range must."""
+    unit = 8 * 16
+    spec = _large(9, 12, batch=2520, profile={unit * dp: 1e15 * dp for dp in (9, 10, 12)})
+    assert jobspec.data_parallel_degrees(jobspec.normalized(spec)) == [9, 10, 12]
+    spec = _large(9, 12, batch=2520, profile={unit * dp: 1e15 * dp for dp in (9, 11, 12)})
+    with pytest.raises(InvalidArgument, match=r"1 x 11"):
+        jobspec.normalized(spec)
+    with pytest.raises(InvalidArgument, match=r"1 x 11"):
+        jobspec.normalized(_large(9, 12, batch=2520))
