@@ -73,6 +73,24 @@ def tiny_gpt(name: str, data: int = 2, iterations: int = 100_000, seed: int = 3)
     )
 
 
+def digits_mlp(
+    name: str, data: int = 2, hidden: int = 1024, iterations: int = 100_000, seed: int = 3
+) -> common_pb2.JobSpec:
+    """The plain PyTorch example (examples/digits): an MLP whose width sets its size, about
+    1.1M parameters at 1024, 10M at 3,150 and 100M at 10,000 (64*h + h*h + 10*h weights). The
+    same program runs under torchrun and beside torchft, so benches compare like with like."""
+    return jobspec.normalized(
+        jobspec.spec_from_dict(
+            {
+                "name": name,
+                "program": {"entry_point": "examples.digits.train:main", "args": ["--hidden", str(hidden)]},
+                "parallelism": {"data": data},
+                "training": {"iterations": iterations, "global_batch_size": 64, "micro_batch_size": 1, "seed": seed},
+            }
+        )
+    )
+
+
 @dataclass
 class Service:
     name: str

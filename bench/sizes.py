@@ -1,0 +1,334 @@
+"""Transition cost against model size: bench.transition on the plain PyTorch MLP
+(examples/digits) at about 1M, 10M and 100M parameters, every action and today's
+checkpoint-restart baseline beside it, then one line per action fitted through the points:
+seconds = fixed + per_byte * state bytes per rank.
+
+    python -m bench.sizes [--quick] [--widths 1024,3150,10000] [--repeats 2]
+
+Each width runs as its own `python -m bench.transition` (a fresh local cluster, so one size's
+leftovers never slow the next), with a checkpoint every 10 iterations and the failure drawn in
+12..18, so that the largest model reaches its failure in minutes. Results go to
+bench/results/sizes.json and bench/results/sizes.png; the fit is also written to
+unicron_sim/data/transition_fit.json, where the simulator reads it (``--no-fit-file``: not).
+The exit status is 0 whatever the numbers: this is a measurement, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.common import log, write_results
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results" / "sizes.json"
+PLOT = RESULTS.with_suffix(".png")
+FIT_FILE = ROOT / "unicron_sim" / "data" / "transition_fit.json"
+# 64*h + h*h + 10*h weights plus 2h + 10 biases: 1.1M, 10.1M and 100.8M parameters.
+WIDTHS = (1024, 3150, 10000)
+ACTIONS = ("reattempt", "restart", "restart_snapshot", "resize", "grow")
+# The simulator's names for the rows (unicron_sim/data/transition_fit.json): restart is from a
+# live peer, resize the shrink onto the nodes left, baseline today's checkpoint restart.
+FIT_NAMES = {
+    "reattempt": "reattempt",
+    "restart": "restart_peer",
+    "restart_snapshot": "restart_snapshot",
+    "resize": "shrink",
+    "grow": "grow",
+    "baseline": "checkpoint_restart",
+}
+# What a rank holds and moves: fp32 parameters and Adam's two fp32 moments (the gradients are
+# recomputed, not moved).
+BYTES_PER_PARAMETER = 12
+
+
+def parameters(width: int) -> int:
+    """The digits MLP's parameter count (examples/digits/train.py: 64 -> w -> w -> 10)."""
+    return 64 * width + width + width * width + width + width * 10 + 10
+
+
+def state_bytes(width: int) -> int:
+    return parameters(width) * BYTES_PER_PARAMETER
+
+
+@dataclass(frozen=True)
+class Line:
+    """seconds = fixed_s + per_byte_s * bytes, by least squares over the points."""
+
+    fixed_s: float
+    per_byte_s: float
+    points: int
+
+    def at(self, size: float) -> float:
+        return self.fixed_s + self.per_byte_s * size
+
+
+def fit(points: list[tuple[float, float]]) -> Line | None:
+    """The least-squares line through (bytes, seconds); None under two distinct sizes. A
+    negative slope (noise at sizes whose cost does not grow) is clamped to 0, with the fixed
+    part the mean; a negative intercept to 0, with the slope through the origin."""
+    if len({x for x, _ in points}) < 2:
+        return None
+    n = len(points)
+    mean_x = sum(x for x, _ in points) / n
+    mean_y = sum(y for _, y in points) / n
+    sxx = sum((x - mean_x) ** 2 for x, _ in points)
+    sxy = sum((x - mean_x) * (y - mean_y) for x, y in points)
+    slope = sxy / sxx
+    if slope < 0:
+        return Line(round(mean_y, 4), 0.0, n)
+    intercept = mean_y - slope * mean_x
+    if intercept < 0:
+        slope = sum(x * y for x, y in points) / sum(x * x for x, _ in points)
+        intercept = 0.0
+    return Line(round(intercept, 4), slope, n)
+
+
+def points_of(rows: list[dict[str, Any]]) -> dict[str, list[tuple[float, float]]]:
+    """Per action (and the baseline), each sample's (state bytes, seconds)."""
+    out: dict[str, list[tuple[float, float]]] = {}
+    for row in rows:
+        size = float(row["state_bytes"])
+        for sample in row.get("samples", []):
+            if sample.get("transition_s") is not None and not sample.get("error"):
+                out.setdefault(row["action"], []).append((size, float(sample["transition_s"])))
+        for sample in row.get("baseline_samples", []):
+            if sample.get("restart_s") is not None and not sample.get("error"):
+                out.setdefault("baseline", []).append((size, float(sample["restart_s"])))
+    return out
+
+
+def rows_of(width: int, report: dict[str, Any]) -> list[dict[str, Any]]:
+    """bench.transition's rows of one width, with the size added and the bulky lists kept."""
+    rows = []
+    for row in report.get("actions", []):
+        rows.append(
+            {
+                "width": width,
+                "parameters": parameters(width),
+                "state_bytes": state_bytes(width),
+                **{k: row.get(k) for k in _KEPT},
+                "samples": [
+                    {k: s.get(k) for k in ("transition_s", "recomputed", "state_source", "error")}
+                    for s in row.get("samples", [])
+                ],
+                "baseline_samples": [
+                    {k: s.get(k) for k in ("restart_s", "regain_s", "lost_iterations", "error")}
+                    for s in row.get("baseline_samples", [])
+                ],
+            }
+        )
+    return rows
+
+
+_KEPT = (
+    "action",
+    "n",
+    "p50_s",
+    "max_s",
+    "baseline_p50_s",
+    "baseline_regain_p50_s",
+    "speedup",
+    "target_speedup",
+    "lost_iterations",
+    "baseline_lost_iterations",
+    "state_sources",
+    "errors",
+    "baseline_errors",
+)
+
+
+def checks(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Issue 18's item 3, per size: reattempt no slower than restart, and at least 10x the
+    checkpoint restart, with the margin each has."""
+    out = []
+    for width in sorted({r["width"] for r in rows}):
+        by = {r["action"]: r for r in rows if r["width"] == width}
+        reattempt, restart = by.get("reattempt", {}), by.get("restart", {})
+        r_p50, s_p50 = reattempt.get("p50_s"), restart.get("p50_s")
+        if r_p50 is not None and s_p50 is not None:
+            out.append(
+                {
+                    "width": width,
+                    "check": "reattempt <= restart",
+                    "value": r_p50,
+                    "limit": s_p50,
+                    "margin": round(s_p50 / r_p50, 2) if r_p50 else None,
+                    "met": r_p50 <= s_p50,
+                }
+            )
+        speedup = reattempt.get("speedup")
+        if speedup is not None:
+            out.append(
+                {
+                    "width": width,
+                    "check": "reattempt >= 10x checkpoint restart",
+                    "value": speedup,
+                    "limit": 10.0,
+                    "margin": round(speedup / 10.0, 2),
+                    "met": speedup >= 10.0,
+                }
+            )
+    return out
+
+
+def fit_file(lines: dict[str, Line], measured: str) -> dict[str, Any]:
+    """What unicron_sim/data/transition_fit.json holds: one line per simulator action."""
+    return {
+        "source": "bench/sizes.py (make bench-sizes): bench.transition on examples/digits at several widths",
+        "measured": measured,
+        "bytes_per_parameter": BYTES_PER_PARAMETER,
+        "actions": {
+            FIT_NAMES[name]: {"fixed_s": line.fixed_s, "per_byte_s": line.per_byte_s, "points": line.points}
+            for name, line in sorted(lines.items())
+            if name in FIT_NAMES
+        },
+    }
+
+
+def format_table(rows: list[dict[str, Any]], lines: dict[str, Line], verdicts: list[dict[str, Any]]) -> str:
+    out = [
+        f"{'params':>8} {'state MB':>9} {'action':<17} {'n':>2} {'p50 s':>7} {'base p50 s':>10} {'speedup':>8} "
+        f"{'lost':>5}"
+    ]
+    out.append("-" * len(out[0]))
+    for row in sorted(rows, key=lambda r: (r["width"], ACTIONS.index(r["action"]) if r["action"] in ACTIONS else 9)):
+        out.append(
+            f"{row['parameters'] / 1e6:>7.1f}M {row['state_bytes'] / 1e6:>9.0f} {row['action']:<17} {row['n'] or 0:>2} "
+            f"{_num(row['p50_s']):>7} {_num(row['baseline_p50_s']):>10} {_num(row['speedup']):>8} "
+            f"{_num(row['lost_iterations']):>5}"
+        )
+    out.append("")
+    out.append(f"{'fitted line':<17} {'fixed s':>8} {'s per GB':>9} {'at 1.6 GB':>10}")
+    for name, line in sorted(lines.items()):
+        out.append(f"{name:<17} {line.fixed_s:>8.3f} {line.per_byte_s * 1e9:>9.3f} {line.at(1.6e9):>10.2f}")
+    out.append("")
+    for v in verdicts:
+        out.append(
+            f"{'PASS' if v['met'] else 'FAIL'}  {v['parameters_label']:<6} {v['check']:<36} {v['value']} "
+            f"(limit {v['limit']}, margin {v['margin']}x)"
+        )
+    return "\n".join(out)
+
+
+def _num(value: Any) -> str:
+    return "-" if value is None else f"{value:g}"
+
+
+def plot(points: dict[str, list[tuple[float, float]]], lines: dict[str, Line], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name, pts in sorted(points.items()):
+        xs = [x / 1e9 for x, _ in pts]
+        (dots,) = ax.plot(xs, [y for _, y in pts], "o", label=name, alpha=0.7)
+        line = lines.get(name)
+        if line is not None:
+            top = max(x for x, _ in pts)
+            ax.plot([0, top / 1e9], [line.at(0), line.at(top)], "-", color=dots.get_color())
+    ax.set_xlabel("state per rank (GB: fp32 parameters and Adam's moments)")
+    ax.set_ylabel("seconds from detection to training again")
+    ax.set_title("Transition cost against state size (examples/digits, 2 ranks, CPU, gloo)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def run_width(width: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """One width's bench.transition, in its own process; its report (an `aborted` one when it
+    broke, so the row says why instead of going missing)."""
+    out = work / f"transition-{width}.json"
+    argv = [
+        sys.executable,
+        "-m",
+        "bench.transition",
+        "--model",
+        f"digits:{width}",
+        "--actions",
+        args.actions,
+        "--repeats",
+        str(args.repeats),
+        "--checkpoint-interval",
+        "10",
+        "--steps",
+        "12-18",
+        "--seed",
+        str(args.seed),
+        "--out",
+        str(out),
+    ]
+    log(f"width {width} ({parameters(width) / 1e6:.1f}M parameters): {' '.join(argv[2:])}")
+    done = subprocess.run(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=None, text=True, check=False)
+    if done.returncode != 0 or not out.exists():
+        return {"actions": [], "error": f"bench.transition exited {done.returncode} without results"}
+    report = json.loads(out.read_text())
+    assert isinstance(report, dict)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.sizes", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="widths 1024 and 3150, one repeat")
+    parser.add_argument("--widths", default=None, help=f"MLP widths (default {','.join(map(str, WIDTHS))})")
+    parser.add_argument("--repeats", type=int, default=None, help="samples per action and width (default 2)")
+    parser.add_argument("--actions", default=",".join(ACTIONS), help="bench.transition's actions")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the drawn failure iterations")
+    parser.add_argument("--out", type=Path, default=RESULTS, help=f"JSON results (default {RESULTS})")
+    parser.add_argument("--no-fit-file", action="store_true", help=f"do not write {FIT_FILE.name}")
+    args = parser.parse_args(argv)
+    widths = [int(w) for w in args.widths.split(",")] if args.widths else list(WIDTHS[:2] if args.quick else WIDTHS)
+    args.repeats = args.repeats if args.repeats is not None else (1 if args.quick else 2)
+    began = time.monotonic()
+    rows: list[dict[str, Any]] = []
+    skipped: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="bench-sizes-") as work:
+        for width in widths:
+            report = run_width(width, args, Path(work))
+            if report.get("error") or report.get("environment", {}).get("aborted"):
+                reason = report.get("error") or report["environment"]["aborted"]
+                skipped.append({"width": width, "reason": reason})
+                log(f"width {width}: {reason}")
+            rows.extend(rows_of(width, report))
+    points = points_of(rows)
+    lines = {name: line for name, pts in points.items() if (line := fit(pts)) is not None}
+    verdicts = checks(rows)
+    for v in verdicts:
+        v["parameters_label"] = f"{parameters(v['width']) / 1e6:.0f}M"
+    measured = time.strftime("%Y-%m-%d")
+    result = {
+        "widths": widths,
+        "repeats": args.repeats,
+        "bytes_per_parameter": BYTES_PER_PARAMETER,
+        "rows": rows,
+        "skipped": skipped,
+        "fits": {name: vars(line) for name, line in lines.items()},
+        "checks": verdicts,
+        "checks_met": bool(verdicts) and all(v["met"] for v in verdicts),
+        "environment": {"cpus": os.cpu_count(), "wall_s": round(time.monotonic() - began, 1), "date": measured},
+    }
+    write_results(args.out, result)
+    if points:
+        plot(points, lines, args.out.with_suffix(".png"))
+    if not args.no_fit_file and lines:
+        write_results(FIT_FILE, fit_file(lines, measured))
+    print(format_table(rows, lines, verdicts))
+    print(f"\nwrote {args.out} and {args.out.with_suffix('.png')} ({result['environment']['wall_s']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

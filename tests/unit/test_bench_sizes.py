@@ -1,0 +1,74 @@
+"""bench.sizes' pure parts: the fitted lines, the points read from bench.transition's rows,
+the checks of issue 18's item 3 (which must be able to fail)."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import sizes
+
+
+def test_parameters_match_the_digits_mlp() -> None:
+    torch = pytest.importorskip("torch")
+    from examples.digits.train import build_model
+
+    for width in (64, 1024):
+        assert sizes.parameters(width) == sum(p.numel() for p in build_model(width).parameters())
+    assert 1.0e6 < sizes.parameters(1024) < 1.2e6 and 0.99e8 < sizes.parameters(10000) < 1.02e8
+    del torch
+
+
+@pytest.mark.parametrize(
+    ("points", "fixed", "per_byte"),
+    [
+        ([(1e6, 1.0), (1e9, 2.0)], 0.999, 1.0 / 0.999e9),  # exact through two points
+        ([(1e6, 1.0), (1e7, 1.0), (1e9, 1.0)], 1.0, 0.0),  # flat
+        ([(1e6, 2.0), (1e9, 1.0)], 1.5, 0.0),  # falling: noise, clamped flat at the mean
+        ([(1e8, 0.1), (1e9, 3.0)], 0.0, None),  # would cross below 0: through the origin
+    ],
+)
+def test_fit(points: list[tuple[float, float]], fixed: float, per_byte: float | None) -> None:
+    line = sizes.fit(points)
+    assert line is not None and line.points == len(points)
+    assert line.fixed_s == pytest.approx(fixed, abs=1e-3)
+    if per_byte is not None:
+        assert line.per_byte_s == pytest.approx(per_byte, rel=1e-3)
+    assert line.per_byte_s >= 0 and line.fixed_s >= 0
+
+
+def test_one_size_is_no_line() -> None:
+    assert sizes.fit([(1e6, 1.0), (1e6, 2.0)]) is None
+    assert sizes.fit([]) is None
+
+
+def row(width: int, action: str, p50: float, speedup: float | None) -> dict[str, object]:
+    return {
+        "width": width,
+        "action": action,
+        "state_bytes": sizes.state_bytes(width),
+        "p50_s": p50,
+        "speedup": speedup,
+        "samples": [{"transition_s": p50, "error": ""}, {"transition_s": 99.0, "error": "broke"}],
+        "baseline_samples": [{"restart_s": 5.0, "error": ""}],
+    }
+
+
+def test_points_skip_failed_samples_and_collect_the_baseline() -> None:
+    points = sizes.points_of([row(1024, "reattempt", 0.3, 12.0), row(3150, "reattempt", 0.4, 11.0)])
+    assert points["reattempt"] == [(sizes.state_bytes(1024), 0.3), (sizes.state_bytes(3150), 0.4)]
+    assert [y for _, y in points["baseline"]] == [5.0, 5.0]
+
+
+def test_checks_pass_and_fail() -> None:
+    rows = [row(1024, "reattempt", 0.3, 12.0), row(1024, "restart", 0.4, 5.0)]
+    assert all(c["met"] for c in sizes.checks(rows))
+    rows = [row(1024, "reattempt", 0.5, 8.0), row(1024, "restart", 0.4, 5.0)]
+    verdicts = {c["check"]: c["met"] for c in sizes.checks(rows)}
+    assert verdicts == {"reattempt <= restart": False, "reattempt >= 10x checkpoint restart": False}
+
+
+def test_the_fit_file_names_the_simulators_actions() -> None:
+    lines = {"reattempt": sizes.Line(0.3, 1e-10, 4), "baseline": sizes.Line(3.0, 2e-9, 4)}
+    data = sizes.fit_file(lines, "2026-12-02")
+    assert set(data["actions"]) == {"reattempt", "checkpoint_restart"}
+    assert data["actions"]["checkpoint_restart"]["fixed_s"] == 3.0
