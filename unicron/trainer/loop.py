@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import time
 from datetime import timedelta
 from typing import TYPE_CHECKING
@@ -221,10 +222,24 @@ def join_first_group(run: Run, backend: str) -> bool:
     config = run.config
     timeout = timedelta(seconds=config.collective_timeout_s)
     master_addr, master_port, from_peer = config.master_addr, config.master_port, config.state_from_peer
+    # Without Unicron, under torchrun, the store at MASTER_PORT is the elastic agent's and
+    # outlives a restart of the workers: every rank joins it as a client, and each attempt
+    # forms its group under keys of its own.
+    agent_store = not run.supervised and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    namespace = f"unicron/torchelastic-attempt-{attempt}/" if agent_store else ""
     while True:
         try:
             reforming.join(
-                run.rank, run.world_size, master_addr, master_port, timeout, backend, lambda: reform_waiting(run)
+                run.rank,
+                run.world_size,
+                master_addr,
+                master_port,
+                timeout,
+                backend,
+                lambda: reform_waiting(run),
+                namespace,
+                agent_store,
             )
             return from_peer
         except reforming.Superseded:

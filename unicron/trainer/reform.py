@@ -266,9 +266,15 @@ def join(
     timeout: timedelta | float,
     backend: str = "",
     superseded: Callable[[], bool] = lambda: False,
+    namespace: str = "",
+    store_exists: bool = False,
 ) -> None:
     """``init_process_group`` of a new group: waits until all ``world_size`` ranks arrive, at
     most ``timeout``. Raises Superseded as soon as ``superseded()`` turns true on the way.
+    ``namespace`` prefixes every key of the group on the store: a store that outlives the
+    group (torchrun's, across its restarts) would otherwise count a dead attempt's ranks as
+    arrived and hand out their addresses. ``store_exists``: a store already serves at
+    ``master_addr:master_port`` (torchrun's agent's), so rank 0 connects instead of serving.
 
     torch's own rendezvous waits for the ranks inside C++ (``init_method="tcp://..."``), where
     nothing can interrupt it: a rank that died after the reform was sent holds the others
@@ -280,15 +286,17 @@ def join(
     deadline = time.monotonic() + timeout.total_seconds()
     if rank != 0:
         _await_listener(master_addr, master_port, timeout.total_seconds(), superseded)
-    store = dist.TCPStore(
+    store: dist.Store = dist.TCPStore(
         master_addr,
         master_port,
         world_size,
-        is_master=rank == 0,
+        is_master=rank == 0 and not store_exists,
         timeout=timeout,
         wait_for_workers=False,
         multi_tenant=True,
     )
+    if namespace:
+        store = dist.PrefixStore(namespace, store)
     store.add(_ARRIVED_KEY, 1)
     while (arrived := store.add(_ARRIVED_KEY, 0)) < world_size:
         if superseded():
