@@ -20,7 +20,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +30,8 @@ from bench.common import log, write_results
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "sizes.json"
 PLOT = RESULTS.with_suffix(".png")
+# Each width's own bench.transition report (--reuse reads them back).
+RUNS = RESULTS.parent / "sizes"
 FIT_FILE = ROOT / "unicron_sim" / "data" / "transition_fit.json"
 # 64*h + h*h + 10*h weights plus 2h + 10 biases: 1.1M, 10.1M and 100.8M parameters.
 WIDTHS = (1024, 3150, 10000)
@@ -250,8 +251,14 @@ def plot(points: dict[str, list[tuple[float, float]]], lines: dict[str, Line], p
 
 def run_width(width: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """One width's bench.transition, in its own process; its report (an `aborted` one when it
-    broke, so the row says why instead of going missing)."""
+    broke, so the row says why instead of going missing). Kept in `work`: with --reuse, a
+    width whose report is there is read, not run again."""
     out = work / f"transition-{width}.json"
+    if args.reuse and out.exists():
+        log(f"width {width}: reusing {out}")
+        reused = json.loads(out.read_text())
+        assert isinstance(reused, dict)
+        return reused
     argv = [
         sys.executable,
         "-m",
@@ -288,6 +295,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--actions", default=",".join(ACTIONS), help="bench.transition's actions")
     parser.add_argument("--seed", type=int, default=0, help="seed of the drawn failure iterations")
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"JSON results (default {RESULTS})")
+    parser.add_argument(
+        "--reuse", action="store_true", help=f"read the widths already measured in {RUNS} instead of running them"
+    )
     parser.add_argument("--no-fit-file", action="store_true", help=f"do not write {FIT_FILE.name}")
     args = parser.parse_args(argv)
     widths = [int(w) for w in args.widths.split(",")] if args.widths else list(WIDTHS[:2] if args.quick else WIDTHS)
@@ -295,14 +305,14 @@ def main(argv: list[str] | None = None) -> int:
     began = time.monotonic()
     rows: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="bench-sizes-") as work:
-        for width in widths:
-            report = run_width(width, args, Path(work))
-            if report.get("error") or report.get("environment", {}).get("aborted"):
-                reason = report.get("error") or report["environment"]["aborted"]
-                skipped.append({"width": width, "reason": reason})
-                log(f"width {width}: {reason}")
-            rows.extend(rows_of(width, report))
+    RUNS.mkdir(parents=True, exist_ok=True)
+    for width in widths:
+        report = run_width(width, args, RUNS)
+        if report.get("error") or report.get("environment", {}).get("aborted"):
+            reason = report.get("error") or report["environment"]["aborted"]
+            skipped.append({"width": width, "reason": reason})
+            log(f"width {width}: {reason}")
+        rows.extend(rows_of(width, report))
     points = points_of(rows)
     lines = {name: line for name, pts in points.items() if (line := fit(pts)) is not None}
     verdicts = checks(rows)

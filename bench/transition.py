@@ -416,8 +416,15 @@ def main(argv: list[str] | None = None) -> int:
     log(f"run directory {run_dir}; failure iterations {steps}")
     samples: list[Sample] = []
     baseline: list[BaselineSample] = []
+    # Snapshots in memory and Redis off the checkpoints' disk, as deployed (LocalCluster.scratch_dir).
+    scratch = Path(tempfile.mkdtemp(prefix="bench-transition-", dir="/dev/shm")) if Path("/dev/shm").is_dir() else None
     cluster = LocalCluster(
-        run_dir / "cluster", agents=DATA_PARALLEL, slots_per_agent=1, fault_injection=True, warm_spares=1
+        run_dir / "cluster",
+        agents=DATA_PARALLEL,
+        slots_per_agent=1,
+        fault_injection=True,
+        warm_spares=1,
+        scratch_dir=scratch,
     )
     try:
         cluster.start()
@@ -454,6 +461,8 @@ def main(argv: list[str] | None = None) -> int:
             log(f"processes outlived their cluster and were killed: {leftovers}")
     environment["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     environment["wall_s"] = round(time.monotonic() - began, 1)
+    if scratch is not None:
+        shutil.rmtree(scratch, ignore_errors=True)
     if args.keep_logs:
         log(f"logs kept in {run_dir}")
     else:

@@ -121,6 +121,11 @@ class LocalCluster:
     # Mutual TLS and tokens (a development CA in <run_dir>/certs); False: every service runs
     # with --plaintext and authenticates no one.
     secure: bool = True
+    # Where Redis's append-only file and the trainers' snapshots go, as a real deployment keeps
+    # them: snapshots in memory (a tmpfs), Redis on a disk of its own. None: under run_dir.
+    # With one shared disk, a large model's checkpoints delay Redis's fsync past the
+    # coordinator's lease (seen at 100M parameters: the coordinator stopped, exit 75).
+    scratch_dir: Path | None = None
     services: list[Service] = field(default_factory=list)
     pki: DevPKI | None = None
     _redis: LocalRedis | None = None
@@ -267,7 +272,7 @@ class LocalCluster:
                         str(self.warm_spares),
                         # Per cluster: agents of two clusters on one machine share node ids.
                         "--snapshot-dir",
-                        str(self.run_dir / "snapshots" / node_id),
+                        str((self.scratch_dir or self.run_dir) / "snapshots" / node_id),
                         *self.agent_args,
                     ],
                     port=0,
@@ -292,7 +297,7 @@ class LocalCluster:
         return []
 
     def _new_redis(self) -> LocalRedis:
-        return LocalRedis(self.run_dir / "redis")
+        return LocalRedis((self.scratch_dir or self.run_dir) / "redis")
 
     def _spawn(self, name: str, module: str, args: list[str], port: int | None = None) -> str:
         """Starts a service; `port` None picks a free one, 0 lets the service bind any."""
