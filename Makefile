@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 GEN_STAMP := unicron/v1/.generated
 PROTOS := $(wildcard proto/unicron/v1/*.proto)
 
-.PHONY: all venv gen redis compose-v1 demo certs test test-unit test-cluster lint fmt clean bench-planner bench-detect bench-transition bench-sizes bench-sim bench-load bench-peers peers-venv compose-test deploy-lock
+.PHONY: all venv gen redis compose-v1 demo certs test test-unit test-cluster lint fmt clean bench-planner bench-detect bench-transition bench-sizes bench-sim bench-load bench-load-steps bench-peers peers-venv compose-test deploy-lock
 
 all: test
 
@@ -81,6 +81,10 @@ bench-sim: gen
 
 bench-load: gen redis
 	$(PY) -m bench.load
+
+# The control plane at 250, 500, 1,000 and 2,000 simulated agents (bench/README.md).
+bench-load-steps: gen redis
+	$(PY) -m bench.load --steps 250,500,1000,2000
 
 # torchrun, torchft and Unicron healing the same model from the same fault (bench/README.md).
 # torchft lives in a venv of its own: a peer measured beside Unicron, never a dependency of the

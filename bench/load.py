@@ -347,6 +347,44 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+STEPS_RESULTS = RESULTS.with_name("load_steps.json")
+# Minutes of steady load per step when --steps is given without --minutes.
+STEP_MINUTES = 1.5
+
+
+def step_row(report: dict[str, Any]) -> dict[str, Any]:
+    """One step's line of the scaling table."""
+    return {
+        "agents": report["agents"],
+        "jobs": report["jobs"],
+        "coordinator_cpu": report["coordinator_cpu"],
+        "rpc_p50_ms": report["rpc_p50_ms"],
+        "rpc_p99_ms": report["rpc_p99_ms"],
+        "baseline_p99_ms": report["baseline"]["heartbeat"]["p99_ms"],
+        "progress_p99_ms": report["progress"]["p99_ms"],
+        "errors": report["errors"],
+        "false_node_losses": report["false_node_losses"],
+        "burst_detection_s": report["burst_detection_s"],
+        "burst_replan_s": report["burst_replan_s"],
+        "coordinator_rss_mb": report["coordinator_rss_mb"],
+        "targets_met": report["targets_met"],
+        "met": report["met"],
+    }
+
+
+def format_steps(rows: list[dict[str, Any]]) -> str:
+    head = f"{'agents':>7} {'jobs':>5} {'coord CPU':>9} {'hb p50 ms':>9} {'hb p99 ms':>9} {'errors':>6} "
+    head += f"{'false loss':>10} {'lost s':>7} {'replan s':>8} {'RSS MB':>7}  targets"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(
+            f"{r['agents']:>7} {r['jobs']:>5} {r['coordinator_cpu']!s:>9} {r['rpc_p50_ms']!s:>9} "
+            f"{r['rpc_p99_ms']!s:>9} {r['errors']:>6} {r['false_node_losses']:>10} {r['burst_detection_s']!s:>7} "
+            f"{r['burst_replan_s']!s:>8} {r['coordinator_rss_mb']!s:>7}  {'met' if r['targets_met'] else 'missed'}"
+        )
+    return "\n".join(lines)
+
+
 def _interrupt(_signum: int, _frame: Any) -> None:
     raise KeyboardInterrupt("terminated")
 
@@ -357,9 +395,50 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--agents", type=int, default=None, help="simulated agents (default 1000)")
     parser.add_argument("--jobs", type=int, default=None, help="jobs reporting progress (default 100)")
     parser.add_argument("--minutes", type=float, default=None, help="steady load before the burst (default 5)")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--steps",
+        default="",
+        help="agent counts, e.g. 250,500,1000,2000: a run of each (jobs a tenth of the agents, "
+        f"{STEP_MINUTES:g} minutes each unless --minutes), the table of steps to {STEPS_RESULTS.name}",
+    )
+    parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--keep-logs", action="store_true")
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, _interrupt)
+    if args.steps:
+        return run_steps(args)
+    return run_one(args, args.out or RESULTS)
+
+
+def parse_steps(text: str) -> list[int]:
+    try:
+        counts = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise SystemExit(f"--steps: {text!r} is not a comma-separated list of agent counts") from None
+    if not counts or any(n < 10 for n in counts):
+        raise SystemExit(f"--steps: {text!r}: each step needs at least 10 agents")
+    return counts
+
+
+def run_steps(args: argparse.Namespace) -> int:
+    """The control plane at growing sizes: the same run per step, a row each."""
+    rows = []
+    minutes = args.minutes if args.minutes is not None else STEP_MINUTES
+    for agents in parse_steps(args.steps):
+        log(f"step: {agents} agents")
+        step_args = argparse.Namespace(**{**vars(args), "agents": agents, "jobs": max(1, agents // 10)})
+        step_args.minutes = minutes
+        out = (args.out or STEPS_RESULTS).with_name(f"load_{agents}.json")
+        run_one(step_args, out)
+        rows.append(step_row(json.loads(out.read_text())))
+    target = args.out or STEPS_RESULTS
+    write_results(target, {"steps": rows, "steady_minutes_per_step": minutes, "cpus": psutil.cpu_count()})
+    print(format_steps(rows))
+    print(f"\nwrote {target}")
+    return 0
+
+
+def run_one(args: argparse.Namespace, out: Path) -> int:
     quick = args.quick
     settings = Settings(
         agents=args.agents or (100 if quick else 1000),
@@ -371,7 +450,6 @@ def main(argv: list[str] | None = None) -> int:
         burst_fraction=0.10,
         baseline_s=10.0 if quick else 20.0,
     )
-    signal.signal(signal.SIGTERM, _interrupt)
     run_dir = Path(tempfile.mkdtemp(prefix="bench-load-"))
     log(f"run directory {run_dir}")
     try:
@@ -389,9 +467,9 @@ def main(argv: list[str] | None = None) -> int:
         "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S,
         "cpus": psutil.cpu_count(),
     }
-    write_results(args.out, report)
+    write_results(out, report)
     print(format_table(report))
-    print(f"\nwrote {args.out}")
+    print(f"\nwrote {out}")
     return 0
 
 
