@@ -1,6 +1,7 @@
 #!/bin/sh
-# The image's entry point: `coordinator`, `planner`, `agent`, `otlp-receiver` or `unicron`
-# (the CLI), then that program's flags. Services are configured by UNICRON_<SERVICE>_<FIELD>
+# The image's entry point: `coordinator`, `planner`, `agent`, `otlp-receiver`, `unicron`
+# (the CLI) or `certs` (the init step that makes the cluster's certificates, certs.sh),
+# then that program's flags. Services are configured by UNICRON_<SERVICE>_<FIELD>
 # variables (unicron/config.py). The settings whose defaults point at 127.0.0.1, which in a
 # container is nobody, must be given: one missing is named in one line and the container
 # exits 2, so the orchestrator shows why instead of a service that looks started.
@@ -39,8 +40,9 @@ agent)
     ;;
 otlp-receiver) exec python -m unicron.otlp_receiver "$@" ;;
 unicron) exec unicron "$@" ;;
+certs) exec /bin/sh /usr/local/lib/unicron/certs.sh "$@" ;;
 *)
-    echo "usage: coordinator|planner|agent|otlp-receiver|unicron [flags]; got '${service}'" >&2
+    echo "usage: coordinator|planner|agent|otlp-receiver|unicron|certs [flags]; got '${service}'" >&2
     exit 2
     ;;
 esac

@@ -7,7 +7,11 @@ host probed on 127.0.0.1; a container with none of them (the CLI) has nothing to
 
 --live is a liveness check: it fails only when the port accepts connections but no
 SERVING answer comes in time (a hung server). A standby coordinator binds no port until it
-holds the lease, and is alive all the same."""
+holds the lease, and is alive all the same.
+
+The probe speaks as the service's peers do: over mutual TLS with the service's own
+certificate (UNICRON_<SERVICE>_TLS_CA, _TLS_CERT, _TLS_KEY), unless UNICRON_<SERVICE>_PLAINTEXT
+says plaintext or no CA is set. The health service is open to any caller the TLS admits."""
 
 from __future__ import annotations
 
@@ -20,6 +24,29 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 BIND_VARIABLES = ("UNICRON_COORDINATOR_BIND", "UNICRON_PLANNER_BIND", "UNICRON_AGENT_BIND")
 TIMEOUT_S = 3.0
+TRUE = ("1", "true", "yes", "on")  # as unicron/config.py reads a boolean
+
+
+def service_prefix() -> str | None:
+    """UNICRON_<SERVICE>_ of the service this container runs (the one whose bind is set)."""
+    return next((v.removesuffix("BIND") for v in BIND_VARIABLES if os.environ.get(v)), None)
+
+
+def credentials() -> grpc.ChannelCredentials | None:
+    """The TLS the service serves with, from its settings; None: plaintext."""
+    prefix = service_prefix()
+    if prefix is None or os.environ.get(f"{prefix}PLAINTEXT", "").strip().lower() in TRUE:
+        return None
+    ca = os.environ.get(f"{prefix}TLS_CA", "")
+    if not ca:
+        return None
+    cert, key = os.environ.get(f"{prefix}TLS_CERT", ""), os.environ.get(f"{prefix}TLS_KEY", "")
+    with open(ca, "rb") as ca_file:
+        root = ca_file.read()
+    if not (cert and key):
+        return grpc.ssl_channel_credentials(root)
+    with open(cert, "rb") as cert_file, open(key, "rb") as key_file:
+        return grpc.ssl_channel_credentials(root, key_file.read(), cert_file.read())
 
 
 def probe_address(args: list[str]) -> str | None:
@@ -32,8 +59,9 @@ def probe_address(args: list[str]) -> str | None:
     return f"{host}:{port}"
 
 
-def serving(address: str) -> bool:
-    with grpc.insecure_channel(address) as channel:
+def serving(address: str, tls: grpc.ChannelCredentials | None = None) -> bool:
+    channel = grpc.insecure_channel(address) if tls is None else grpc.secure_channel(address, tls)
+    with channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=TIMEOUT_S)
         except grpc.RpcError:
@@ -55,7 +83,12 @@ def main(argv: list[str]) -> int:
     address = probe_address([a for a in argv if a != "--live"])
     if address is None:
         return 0
-    if serving(address):
+    try:
+        tls = credentials()
+    except OSError as exc:
+        print(f"unhealthy: cannot read the TLS settings: {exc}", file=sys.stderr)
+        return 1
+    if serving(address, tls):
         return 0
     if live and not listening(address):
         return 0

@@ -51,7 +51,13 @@ UPSTREAM_REDIS = "redis:7.2-bookworm"
 WHEELS = ROOT / "deploy" / "wheels"
 LOCK = ROOT / "deploy" / "requirements.lock"
 PROJECT = "unicron-compose-test"
-COMPOSE_FILES = ["-f", str(ROOT / "deploy" / "compose.yaml"), "-f", str(ROOT / "deploy" / "compose.host.yaml")]
+# Plaintext (compose.plaintext.yaml): the host's CLI and client here speak it. The stack's
+# default, mutual TLS, is checked without Docker by tests/unit/test_compose.py.
+COMPOSE_FILES = [
+    *("-f", str(ROOT / "deploy" / "compose.yaml")),
+    *("-f", str(ROOT / "deploy" / "compose.host.yaml")),
+    *("-f", str(ROOT / "deploy" / "compose.plaintext.yaml")),
+]
 IMAGE = "unicron:0.1.0"
 MERGED = CACHE / "compose.merged.yaml"
 COORDINATOR = "127.0.0.1:17051"
@@ -485,7 +491,7 @@ def main() -> int:
         return 2
     ensure_tools()
     check_ports_free()
-    # The stack serves plaintext gRPC (compose.yaml); the host's CLI and client must say so.
+    # The stack serves plaintext gRPC (compose.plaintext.yaml); the host's CLI and client must say so.
     os.environ["UNICRON_PLAINTEXT"] = "1"
     before = host_state()
     engine = Engine()

@@ -22,7 +22,7 @@ from unicron import failures, jobspec
 from unicron.client import DEFAULT_COORDINATOR, ClientError, UnicronClient
 from unicron.errors import InvalidArgument, UnicronError
 from unicron.faults import FAULT_NAMES, parse_fault
-from unicron.v1 import common_pb2, job_service_pb2
+from unicron.v1 import common_pb2, job_service_pb2, logs_pb2
 
 SIMULATE_HELP = "replay a failure trace over a modeled cluster under each recovery strategy"
 EXIT_USAGE = 2
@@ -180,6 +180,12 @@ def print_job(job: common_pb2.Job, out: TextIO) -> None:
     par = spec.parallelism
     out.write(f"job        {job.job_id} ({spec.name})\n")
     out.write(f"state      {state_name(job.state)}: {job.reason}\n")
+    for condition in job.conditions:
+        noun = condition.type.removesuffix("_failing")
+        out.write(
+            f"condition  {noun} failing since iteration {condition.since_iteration} "
+            f"(rank {condition.rank}): {condition.message}\n"
+        )
     out.write(
         f"shape      TP {par.tensor} x PP {par.pipeline} x DP {par.data} "
         f"(DP {par.min_data}..{par.max_data}), weight {spec.weight:g}\n"
@@ -202,6 +208,13 @@ def print_job(job: common_pb2.Job, out: TextIO) -> None:
             f"progress   iteration {progress.iteration}/{spec.training.iterations}, loss {progress.loss:.4f}, "
             f"{progress.iteration_seconds:.2f}s/it, {progress.flops_per_second / 1e9:.2f} GFLOP/s, "
             f"{progress.tokens} tokens\n"
+        )
+    if progress.measured_flops_per_second:
+        measured = sorted(progress.measured_flops_per_second.items())
+        out.write(
+            "throughput "
+            + ", ".join(f"{size} ranks {flops / 1e9:.2f} GFLOP/s" for size, flops in measured)
+            + " (measured; the planner sizes the job by these)\n"
         )
     states = {w.node_id: w.state for w in job.workers if w.generation == job.assignment.generation}
     for worker in job.assignment.workers:
@@ -320,6 +333,15 @@ def build_parser(simulate: bool = False) -> argparse.ArgumentParser:
     cancel.add_argument("job", help="job id or name")
     cancel.add_argument("--reason", default="", help="recorded in the job's history")
     sub.add_parser("nodes", help="list nodes")
+    drain = sub.add_parser(
+        "drain",
+        help="admins: move a node's ranks off (the cheapest transition) and give it no new ones",
+        description="Not a failure: no incident, no failure cost. Refused, with nothing moved, "
+        "when a job on the node would have nowhere to run. `unicron uncordon NODE` returns it.",
+    )
+    drain.add_argument("node", help="node id")
+    uncordon = sub.add_parser("uncordon", help="admins: return a drained node to service")
+    uncordon.add_argument("node", help="node id")
     sub.add_parser("cluster", help="show the cluster's efficiency: slots, WAF per job, what failures cost")
     incidents = sub.add_parser("incidents", help="list failure incidents")
     incidents.add_argument("job", nargs="?", default="", help="only this job's (id or name)")
@@ -333,6 +355,19 @@ def build_parser(simulate: bool = False) -> argparse.ArgumentParser:
     inject.add_argument("job", help="job id or name")
     inject.add_argument("fault", help="what to inject, e.g. crash@5 or exception:ecc_error")
     inject.add_argument("--rank", type=int, default=0, help="rank that misbehaves (default 0)")
+    logs = sub.add_parser(
+        "logs",
+        help="show what a rank of a job printed, read from its node",
+        description="The rank's stdout is printed on stdout, its stderr on stderr. A job that ended "
+        "shows its last assignment's ranks.",
+    )
+    logs.add_argument("job", help="job id or name")
+    logs.add_argument("--rank", type=int, default=0, help="global rank (default 0)")
+    logs.add_argument(
+        "-f", "--follow", action="store_true", help="keep printing what it writes until its process exits"
+    )
+    logs.add_argument("--tail", type=int, default=None, metavar="N", help="only the last N lines of each stream")
+    logs.add_argument("--stream", choices=sorted(LOG_STREAMS), default="all", help="which output (default all)")
     if simulate:
         from unicron_sim import cli as simulate_cli
 
@@ -430,15 +465,65 @@ def _inject(client: UnicronClient, args: argparse.Namespace, out: TextIO) -> int
     return 0
 
 
+LOG_STREAMS = {
+    "all": (),
+    "stdout": (logs_pb2.LOG_STREAM_STDOUT,),
+    "stderr": (logs_pb2.LOG_STREAM_STDERR,),
+}
+
+
+def _logs(client: UnicronClient, args: argparse.Namespace, out: TextIO) -> int:
+    if args.rank < 0:
+        raise InvalidArgument("rank", "must not be negative")
+    if args.tail is not None and args.tail < 0:
+        raise InvalidArgument("tail", "must not be negative")
+    try:
+        for chunk in client.logs(args.job, args.rank, args.follow, args.tail, LOG_STREAMS[args.stream]):
+            if args.json:
+                name = logs_pb2.LogStream.Name(chunk.stream).removeprefix("LOG_STREAM_").lower()
+                out.write(json.dumps({"stream": name, "text": chunk.data.decode(errors="replace")}) + "\n")
+                out.flush()
+            else:
+                write_bytes(sys.stderr if chunk.stream == logs_pb2.LOG_STREAM_STDERR else out, chunk.data)
+    except BrokenPipeError:
+        # `unicron logs JOB | head`: the reader has what it wanted. Python's own flush at
+        # exit would fail the same way, and print a traceback for it.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
+
+
+def write_bytes(stream: TextIO, data: bytes) -> None:
+    """The bytes as the program wrote them, where the stream has bytes underneath."""
+    buffer = getattr(stream, "buffer", None)
+    stream.flush()
+    if buffer is None:
+        stream.write(data.decode(errors="replace"))
+        stream.flush()
+        return
+    buffer.write(data)
+    buffer.flush()
+
+
 def _cluster(client: UnicronClient, args: argparse.Namespace, out: TextIO) -> int:
     cluster = client.cluster()
     return _one(cluster, lambda: print_cluster(cluster, out), args, out)
 
 
+def _drain(client: UnicronClient, args: argparse.Namespace, out: TextIO) -> int:
+    node, jobs = client.drain(args.node)
+    moving = f"; moving {', '.join(jobs)} off it" if jobs else "; no job runs there"
+    return _one(node, lambda: out.write(f"drained {node.node_id}{moving}\n"), args, out)
+
+
+def _uncordon(client: UnicronClient, args: argparse.Namespace, out: TextIO) -> int:
+    node = client.uncordon(args.node)
+    return _one(node, lambda: out.write(f"uncordoned {node.node_id}: it takes ranks again\n"), args, out)
+
+
 def _node_row(n: common_pb2.Node) -> list[str]:
     return [
         n.node_id,
-        node_state_name(n.state),
+        node_state_name(n.state) + (", drained" if n.cordoned else ""),
         ago(n.state_since.ToNanoseconds()).removesuffix(" ago") if n.HasField("state_since") else "-",
         f"{n.used_slots}/{n.slots}",
         n.address,
@@ -464,6 +549,9 @@ COMMANDS: dict[str, Callable[[UnicronClient, argparse.Namespace, TextIO], int]] 
     "inject": _inject,
     "cluster": _cluster,
     "nodes": _nodes,
+    "logs": _logs,
+    "drain": _drain,
+    "uncordon": _uncordon,
 }
 
 

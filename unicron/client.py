@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator, Sequence
 
 import grpc
 
 from unicron import rpc
 from unicron.security import ClientSecurity
-from unicron.v1 import common_pb2, job_service_pb2, job_service_pb2_grpc
+from unicron.v1 import common_pb2, job_service_pb2, job_service_pb2_grpc, logs_pb2
 
 DEFAULT_COORDINATOR = "127.0.0.1:50051"
+# A read of logs that does not follow them ends by then, however long they are.
+LOGS_TIMEOUT_S = 300.0
 
 
 class ClientError(Exception):
@@ -23,6 +25,8 @@ class ClientError(Exception):
 
 def _unwrap(exc: grpc.RpcError, address: str) -> ClientError:
     code = exc.code()
+    if code == grpc.StatusCode.UNAVAILABLE and (exc.details() or "").startswith("node "):
+        return ClientError(code, exc.details())  # a node behind the coordinator (logs), not the coordinator
     if code == grpc.StatusCode.UNAVAILABLE:
         # A TLS handshake that fails (a wrong UNICRON_TLS_CA, a plaintext server) looks the same.
         return ClientError(code, f"cannot reach the coordinator at {address} (is it running?)")
@@ -85,6 +89,17 @@ class UnicronClient:
         assert isinstance(reply, job_service_pb2.ListNodesResponse)
         return list(reply.nodes)
 
+    def drain(self, node_id: str) -> tuple[common_pb2.Node, list[str]]:
+        """Cordons the node; its jobs move off. Returns it and those jobs."""
+        reply = self._call("DrainNode", job_service_pb2.DrainNodeRequest(node_id=node_id))
+        assert isinstance(reply, job_service_pb2.DrainNodeResponse)
+        return reply.node, list(reply.jobs)
+
+    def uncordon(self, node_id: str) -> common_pb2.Node:
+        reply = self._call("UncordonNode", job_service_pb2.UncordonNodeRequest(node_id=node_id))
+        assert isinstance(reply, job_service_pb2.UncordonNodeResponse)
+        return reply.node
+
     def incidents(self, job_id: str = "") -> list[common_pb2.Incident]:
         reply = self._call("ListIncidents", job_service_pb2.ListIncidentsRequest(job_id=job_id))
         assert isinstance(reply, job_service_pb2.ListIncidentsResponse)
@@ -111,3 +126,25 @@ class UnicronClient:
                 yield reply.event
         except grpc.RpcError as exc:
             raise _unwrap(exc, self.address) from None
+
+    def logs(
+        self,
+        job_id: str,
+        rank: int = 0,
+        follow: bool = False,
+        tail_lines: int | None = None,
+        streams: Sequence[logs_pb2.LogStream] = (),
+    ) -> Generator[logs_pb2.LogChunk, None, None]:
+        """A rank's output, piece by piece: what it wrote (the last `tail_lines` lines of each
+        stream, or all), then with `follow` what it writes until its process exits."""
+        request = job_service_pb2.StreamLogsRequest(job_id=job_id, rank=rank, follow=follow, streams=streams)
+        if tail_lines is not None:
+            request.tail_lines = tail_lines
+        call = self._stub.StreamLogs(request, timeout=None if follow else LOGS_TIMEOUT_S)
+        try:
+            for reply in call:
+                yield reply.chunk
+        except grpc.RpcError as exc:
+            raise _unwrap(exc, self.address) from None
+        finally:
+            call.cancel()  # a caller that stops reading (a follow) ends the stream at once

@@ -75,6 +75,9 @@ TAXONOMY: dict[pb.FailureKind, FailureClass] = {
         FailureClass(
             pb.FAILURE_KIND_PROGRAM_ERROR, pb.SEVERITY_SEV2, Action.FAIL, "error in the job's program (not retryable)"
         ),
+        FailureClass(
+            pb.FAILURE_KIND_CHECKPOINT_STORAGE, pb.SEVERITY_SEV3, Action.REPORT, "checkpoint volume (nearly) full"
+        ),
     )
 }
 

@@ -13,6 +13,7 @@ import yaml
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
+from unicron.config import YAMLFloat, load_yaml
 from unicron.errors import InvalidArgument
 from unicron.v1 import common_pb2
 
@@ -71,6 +72,8 @@ def _scalar(kind: int, value: Any, where: str) -> Any:
             raise InvalidArgument(where, f"must be true or false, got {value!r}")
         return value
     if kind == FieldDescriptor.TYPE_STRING:
+        if isinstance(value, YAMLFloat):  # read as a number, meant as its text (a version, a hash)
+            return str(value)
         if not isinstance(value, str):
             raise InvalidArgument(where, f"must be a string, got {value!r}")
         return value
@@ -118,7 +121,7 @@ def spec_from_dict(data: Any) -> common_pb2.JobSpec:
 
 def load_spec_file(path: str | Path) -> common_pb2.JobSpec:
     try:
-        data = yaml.safe_load(Path(path).read_text())
+        data = load_yaml(Path(path).read_text())
     except OSError as exc:
         raise InvalidArgument("spec", f"cannot read {path}: {exc.strerror}") from None
     except yaml.YAMLError as exc:

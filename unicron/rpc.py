@@ -36,11 +36,12 @@ log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
 
 MAX_MESSAGE_BYTES = DEFAULT_MAX_MESSAGE_BYTES
-# A unary call made without a timeout gets this one (servers refuse calls without a deadline).
+# A unary call made without a timeout by Unicron's own clients gets this one (a server serves
+# a call without a deadline under its default of 60 s, Limits.default_deadline_s).
 DEFAULT_CALL_TIMEOUT_S = 30.0
 # What an in-process server (tests) is without a configuration: plaintext, every caller
-# trusted, calls without deadlines accepted.
-IN_PROCESS = ServerSecurity(limits=Limits(require_deadline=False))
+# trusted, calls without deadlines served for as long as they take.
+IN_PROCESS = ServerSecurity(limits=Limits(default_deadline_s=None))
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -236,6 +237,24 @@ class Server:
     def add(self, register: Callable[[Any, Any], None], servicer: Any, full_name: str) -> None:
         register(servicer, self._server)
         self._service_names.append(full_name)
+
+    def add_port(self, bind: str, client_certificates: bool = True) -> str:
+        """Serves on one more address (before start), with the same services and guard; its
+        host:port. Without `client_certificates` its TLS asks callers for none: they check the
+        server against the CA and prove who they are by token alone (an agent's trainers,
+        which hold no key of their own: services/agent/__main__.py)."""
+        credentials = self.security.credentials()
+        tls = self.security.tls
+        if credentials is None or tls is None:
+            port = self._server.add_insecure_port(bind)
+        else:
+            if not client_certificates:
+                assert tls.key is not None and tls.cert is not None  # credentials() checked them
+                credentials = grpc.ssl_server_credentials([(tls.key, tls.cert)])
+            port = self._server.add_secure_port(bind, credentials)
+        if port == 0:
+            raise errors.Unavailable(f"cannot bind gRPC server to {bind}")
+        return f"{bind.rsplit(':', 1)[0]}:{port}"
 
     def on_stop(self, callback: Callable[[], None]) -> None:
         self._on_stop.append(callback)

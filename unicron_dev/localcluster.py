@@ -126,6 +126,11 @@ class LocalCluster:
     # With one shared disk, a large model's checkpoints delay Redis's fsync past the
     # coordinator's lease (seen at 100M parameters: the coordinator stopped, exit 75).
     scratch_dir: Path | None = None
+    # The active coordinator's Prometheus endpoint, http://<metrics_address>/metrics: a free
+    # port on 127.0.0.1 that every coordinator is given and only the active one binds. Off
+    # (empty) when False, or when the coordinators run in network namespaces.
+    metrics: bool = True
+    metrics_address: str = ""
     services: list[Service] = field(default_factory=list)
     pki: DevPKI | None = None
     _redis: LocalRedis | None = None
@@ -233,7 +238,11 @@ class LocalCluster:
                 self.redis_url = self._redis.url
             planner_addresses = [self._spawn(f"planner-{i}", "services.planner", []) for i in range(self.planners)]
             self._wait_ready(planner_addresses, timeout_s)
+            if self.metrics and self._host("coordinator") is None:
+                self.metrics_address = f"127.0.0.1:{free_port()}"
             coordinator_args = [
+                "--metrics-bind",
+                self.metrics_address,
                 "--redis-url",
                 self.redis_url,
                 "--planners",

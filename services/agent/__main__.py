@@ -9,15 +9,16 @@ import os
 import socket
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import psutil
 
+from services.agent import log_service
 from services.agent.agent import Agent, AgentSettings, serve
 from services.agent.health import default_checks
 from unicron import rpc
-from unicron.config import require
+from unicron.config import require, setting
 from unicron.logs import exit_flushed
 from unicron.monitor import MonitorSettings
 from unicron.security import ClientSecurity, ServerSecurity, TLSConfig, WorkerTokens, read_token_file, server_security
@@ -30,52 +31,74 @@ _MONITOR_DEFAULTS = MonitorSettings()
 
 @dataclass(frozen=True)
 class AgentConfig(TLSConfig):
-    node_id: str = socket.gethostname()
-    bind: str = "127.0.0.1:0"
-    # The host (an IP or name) that the coordinator, peers and trainers reach this agent at,
-    # and rank 0's rendezvous address when a rank 0 runs here: the host's address on the data
-    # network. Default: the bind address's host; required with a wildcard bind (0.0.0.0).
-    advertise: str = ""
-    # The network interface the trainers' collectives use (GLOO_SOCKET_IFNAME,
-    # NCCL_SOCKET_IFNAME): the data network, not whichever one the hostname resolves to.
-    # Default: the interface holding the advertised address (none for a loopback one).
-    data_interface: str = ""
-    coordinator: str = "127.0.0.1:50051"
-    slots: int = 2
-    # The node's GPUs, one per slot, each trainer seeing only its slot's (CUDA_VISIBLE_DEVICES):
-    # "auto" (the GPUs this agent sees: its own CUDA_VISIBLE_DEVICES, else /dev/nvidiaN),
-    # "none", or a list of ids such as "0,1,2,3".
-    gpus: str = "auto"
-    failure_domain: str = ""
-    # The container image this agent (and so every trainer it starts) runs in, as deploy/
-    # names it; "" when it runs outside one. A job whose program.image names another image
-    # does not run on this node.
-    image: str = ""
-    work_dir: str = "run/agent"
-    # Where the job's trainers keep persistent checkpoints (a directory per job). All
-    # nodes of a job must see the same directory: a shared filesystem in a real cluster;
-    # by default <work_dir>/checkpoints, which agents on one machine share.
-    checkpoint_dir: str = ""
-    # Where trainers keep in-memory snapshots of their state for restarts (a directory per
-    # job): by default /dev/shm/unicron/<node_id> (memory), or <work_dir>/<node_id>/snapshots
-    # without /dev/shm; "none" turns snapshots off.
-    snapshot_dir: str = ""
-    stop_grace_s: float = 5.0
-    fault_injection: bool = False
-    # Statistical monitoring (hangs, stragglers); off only to measure what it costs.
-    monitor: bool = True
-    health_period_s: float = 5.0
-    hang_k: float = _MONITOR_DEFAULTS.k
-    hang_floor_s: float = _MONITOR_DEFAULTS.floor_s
-    hang_warmup_iterations: int = _MONITOR_DEFAULTS.warmup_iterations
-    max_workers: int = 32
-    # Trainer processes kept ready (torch and Megatron imported) so that a restarted rank
-    # skips seconds of imports; each costs the memory of an idle trainer (a few hundred MB).
-    warm_spares: int = 1
-    log_level: str = "info"
-    # The cluster's join token (a file holding it), for a coordinator that does not know this
-    # node by its certificate (node:<node_id>).
-    join_token_file: str = ""
+    node_id: str = setting(socket.gethostname(), "this node's name in the cluster (default: the host name)")
+    bind: str = setting("127.0.0.1:0", "host:port to serve on (port 0: any free port)")
+    advertise: str = setting(
+        "",
+        "the host (IP or name) the coordinator, peers and trainers reach this agent at, and rank 0's rendezvous "
+        "address when a rank 0 runs here: the host's address on the data network (empty: the bind address's "
+        "host; required with a wildcard bind such as 0.0.0.0)",
+    )
+    data_interface: str = setting(
+        "",
+        "the network interface the trainers' collectives use (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME): the data "
+        "network, not whichever one the host name resolves to (empty: the interface holding the advertised "
+        "address; none for a loopback one)",
+    )
+    coordinator: str = setting(
+        "127.0.0.1:50051", "the coordinator's host:port (several, comma-separated: the active one is found)"
+    )
+    slots: int = setting(2, "trainer ranks this node runs at once")
+    gpus: str = setting(
+        "auto",
+        "the node's GPUs, one per slot, each trainer seeing only its slot's (CUDA_VISIBLE_DEVICES): auto (the GPUs "
+        "this agent sees: its own CUDA_VISIBLE_DEVICES, else /dev/nvidiaN), none, or ids such as 0,1,2,3",
+    )
+    failure_domain: str = setting(
+        "", "the failure domain (a rack, say) this node belongs to; reported, not used in plans yet"
+    )
+    image: str = setting(
+        "",
+        "the container image this agent and its trainers run in, as deploy/ names it (empty: outside one); a job "
+        "whose program.image names another image does not run here",
+    )
+    work_dir: str = setting(
+        "run/agent", "the agent's directory: its state and its trainers' output, under <work_dir>/<node_id>"
+    )
+    checkpoint_dir: str = setting(
+        "",
+        "where trainers keep persistent checkpoints, a directory per job, which all nodes of a job must see (a "
+        "shared filesystem in a real cluster; empty: <work_dir>/checkpoints, shared by agents on one machine)",
+    )
+    snapshot_dir: str = setting(
+        "",
+        "where trainers keep in-memory snapshots of their state for restarts, a directory per job (empty: "
+        "/dev/shm/unicron/<node_id>, or <work_dir>/<node_id>/snapshots without /dev/shm; none: no snapshots)",
+    )
+    stop_grace_s: float = setting(5.0, "how long a stopped trainer has after SIGTERM before SIGKILL")
+    fault_injection: bool = setting(False, "let faults be injected into this node's trainers (testing only)")
+    monitor: bool = setting(True, "statistical monitoring of hangs and stragglers (off only to measure its cost)")
+    health_period_s: float = setting(5.0, "how often the node's health checks run")
+    hang_k: float = setting(
+        _MONITOR_DEFAULTS.k,
+        "a rank is hung when no iteration ended for this many times its job's robust mean iteration time",
+    )
+    hang_floor_s: float = setting(_MONITOR_DEFAULTS.floor_s, "no hang is called sooner than this after an iteration")
+    hang_warmup_iterations: int = setting(
+        _MONITOR_DEFAULTS.warmup_iterations, "no hang is called before a job finished this many iterations"
+    )
+    max_workers: int = setting(32, "server threads (each open trainer stream holds one)")
+    warm_spares: int = setting(
+        1,
+        "trainer processes kept ready (torch and Megatron imported), so that a restarted rank skips seconds of "
+        "imports; each costs the memory of an idle trainer (a few hundred MB)",
+    )
+    log_level: str = setting("info", "debug, info, warning or error")
+    join_token_file: str = setting(
+        "",
+        "a file holding the cluster's join token, for a coordinator that does not know this node by its "
+        "certificate (node:<node_id>)",
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -138,21 +161,32 @@ def coordinator_security(config: AgentConfig) -> ClientSecurity:
 
 
 def trainer_env(config: AgentConfig) -> dict[str, str]:
-    """How this agent's trainers reach it: with its own certificate (they are its children)."""
+    """How this agent's trainers reach it: TLS checked against the CA, on the trainer port,
+    which asks for no client certificate (TRAINER_BIND); each proves itself by its worker
+    token. Never the agent's certificate or key: a trainer runs the user's program."""
     if config.plaintext:
         return settings_env(plaintext=True)
-    return settings_env(
-        plaintext=False,
-        tls_ca=Path(config.tls_ca).resolve(),
-        tls_cert=Path(config.tls_cert).resolve(),
-        tls_key=Path(config.tls_key).resolve(),
-    )
+    return settings_env(plaintext=False, tls_ca=Path(config.tls_ca).resolve())
+
+
+# Where the agent serves its trainers (its children, on this host): loopback, any free port.
+TRAINER_BIND = "127.0.0.1:0"
 
 
 def security(config: AgentConfig, tokens: WorkerTokens) -> ServerSecurity:
-    """Trainers are admitted by the token this agent issued them, TLS or not; a certificate
-    alone admits no one (a trainer shows its agent's own)."""
-    return server_security(config, tokens.lookup, certificates=False)
+    """Trainers are admitted by the token this agent issued them, TLS or not (they show no
+    certificate: their port asks for none). Of the certificates only the coordinator's names
+    anyone, and it may only read the trainers' output; log_service.py says who reads it
+    without TLS."""
+    secured = server_security(config, tokens.lookup, certificates=False)
+    auth = log_service.authenticator(tokens.lookup, tls=not config.plaintext, open_to_anyone=open_logs(config))
+    return replace(secured, authenticator=auth)
+
+
+def open_logs(config: AgentConfig) -> bool:
+    """Plaintext without a join token: the coordinator registered this agent without
+    credentials, so the cluster authenticates no one, and neither do its trainers' logs."""
+    return config.plaintext and not config.join_token_file
 
 
 def node_gpus(setting: str, visible: str | None = None, dev: Path = Path("/dev")) -> tuple[str, ...]:
@@ -173,7 +207,9 @@ def setup(
     config: AgentConfig, server: rpc.Server, log: logging.Logger, tokens: WorkerTokens | None = None
 ) -> Callable[[], None]:
     work_dir = Path(config.work_dir) / config.node_id
+    checkpoints = Path(config.checkpoint_dir or Path(config.work_dir) / "checkpoints")
     work_dir.mkdir(parents=True, exist_ok=True)
+    trainer_address = server.add_port(TRAINER_BIND, client_certificates=False)
     agent = Agent(
         AgentSettings(
             node_id=config.node_id,
@@ -182,7 +218,7 @@ def setup(
             failure_domain=config.failure_domain,
             image=config.image,
             work_dir=work_dir,
-            checkpoint_dir=Path(config.checkpoint_dir or Path(config.work_dir) / "checkpoints"),
+            checkpoint_dir=checkpoints,
             snapshot_dir=snapshot_root(config, work_dir),
             stop_grace_s=config.stop_grace_s,
             fault_injection=config.fault_injection,
@@ -190,18 +226,23 @@ def setup(
             health_period_s=config.health_period_s,
             warm_spares=config.warm_spares,
             trainer_env=trainer_env(config),
+            trainer_address=trainer_address,
             data_interface=config.data_interface or interface_of(advertised_host(config)),
             monitor=MonitorSettings(
                 k=config.hang_k, floor_s=config.hang_floor_s, warmup_iterations=config.hang_warmup_iterations
             ),
         ),
         config.coordinator,
-        health_checks=default_checks(str(work_dir)),
+        health_checks=default_checks(str(work_dir), str(checkpoints)),
         security=coordinator_security(config),
         worker_tokens=tokens,
     )
     if config.fault_injection:
         log.warning("fault injection is ENABLED on this agent: faults can be injected into its trainers")
+    if open_logs(config):
+        log.warning(
+            "agent serves its trainers' output to ANY caller (plaintext, no join token: nothing is authenticated)"
+        )
     serve(server, agent)
     log.info("node %s offers %d slots to %s", config.node_id, config.slots, config.coordinator)
     # The bound port (0 asks for any) at the advertised host.

@@ -28,15 +28,16 @@ from services.agent import peers, procstat
 from services.agent.coordinator_client import CoordinatorClient
 from services.agent.executor import CommandExecutor, Parts
 from services.agent.health import HealthCheck, HealthFinding, run_checks
+from services.agent.log_service import LogService
 from services.agent.spares import SparePool
-from services.agent.supervisor import Supervisor, WorkerExit, WorkerKey
+from services.agent.supervisor import Supervisor, WorkerExit, WorkerKey, without_node_secrets
 from services.agent.trainer_link import LinkHandlers, Rejected, TrainerLink
 from services.agent.verdicts import HangJudge
 from services.agent.watch import JobWatch
 from unicron import rpc
 from unicron.monitor import Finding, MonitorSettings, ReportRejected
 from unicron.security import ClientSecurity, WorkerTokens
-from unicron.v1 import common_pb2, trainer_service_pb2, trainer_service_pb2_grpc
+from unicron.v1 import agent_service_pb2_grpc, common_pb2, trainer_service_pb2, trainer_service_pb2_grpc
 from unicron.v1 import node_service_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -69,9 +70,11 @@ class AgentSettings:
     # restart then skips seconds of imports. Each costs the memory of an idle trainer.
     warm_spares: int = 0
     spare_command: tuple[str, ...] = (sys.executable, "-m", "services.trainer.spare")
-    # How trainers reach this agent (unicron.trainer.settings.trainer_env of tls_* with the
-    # agent's own certificate, as a trainer is the agent's child on its node, or plaintext).
+    # How trainers reach this agent (unicron.trainer.settings.trainer_env: the CA that signed
+    # the agent's certificate, or plaintext; never the agent's key), and where: a port of its
+    # own that asks for no client certificate ("": the agent's address).
     trainer_env: Mapping[str, str] = field(default_factory=dict)
+    trainer_address: str = ""
     # The node's GPU ids, one per slot (empty: no GPUs); a trainer sees its slot's alone.
     gpus: tuple[str, ...] = ()
     # The container image this agent and its trainers run in ("" when none is named).
@@ -86,7 +89,7 @@ def trainer_base_env() -> dict[str, str]:
     # One rank per slot: a CPU rank with a thread per core would oversubscribe the node
     # many times over and starve the agent's own heartbeat.
     env.setdefault("OMP_NUM_THREADS", "1")
-    return env
+    return without_node_secrets(env)
 
 
 def _stamp(message: common_pb2.FailureReport, at: float) -> common_pb2.FailureReport:
@@ -363,9 +366,12 @@ class Agent:
 
 
 def serve(server: rpc.Server, agent: Agent) -> None:
-    """Puts the agent's trainer-facing service on `server`; stopping the server stops the
-    agent (and its trainers) first."""
+    """Puts the agent's services on `server`: the trainers' link, and their output for the
+    coordinator (log_service.py). Stopping the server stops the agent (and its trainers)
+    first."""
     server.add(
         trainer_service_pb2_grpc.add_TrainerAgentServiceServicer_to_server, agent.link, "unicron.v1.TrainerAgentService"
     )
+    logs = LogService(agent.supervisor, agent.settings.node_id, agent.settings.work_dir)
+    server.add(agent_service_pb2_grpc.add_AgentLogServiceServicer_to_server, logs, "unicron.v1.AgentLogService")
     server.on_stop(agent.stop)

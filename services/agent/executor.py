@@ -167,7 +167,7 @@ class CommandExecutor:
                     world_size=assignment.world_size,
                     master_addr=assignment.master_addr,
                     master_port=assignment.master_port,
-                    agent=p.address(),
+                    agent=settings.trainer_address or p.address(),
                     spec=spec_json,
                     fault_injection=settings.fault_injection,
                     token=p.worker_tokens.issue(start.job_id, assignment.generation, rank),

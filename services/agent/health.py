@@ -94,6 +94,7 @@ class DiskCheck:
         min_free_bytes: int = 1 << 30,
         min_free_fraction: float = 0.02,
         usage: Callable[[str], tuple[int, int, int]] = shutil.disk_usage,
+        kind: common_pb2.FailureKind = common_pb2.FAILURE_KIND_DISK_FULL,
     ) -> None:
         if not path:
             raise ValueError("path: is required")
@@ -106,6 +107,7 @@ class DiskCheck:
         self.min_free_bytes = min_free_bytes
         self.min_free_fraction = min_free_fraction
         self._usage = usage
+        self.kind = kind
 
     def run(self) -> list[HealthFinding]:
         try:
@@ -123,7 +125,7 @@ class DiskCheck:
             return []
         return [
             HealthFinding(
-                kind=common_pb2.FAILURE_KIND_DISK_FULL,
+                kind=self.kind,
                 check=self.name,
                 message=(
                     f"{measured}: {free / _GIB:.2f} GiB free of {total / _GIB:.2f} GiB ({fraction:.1%}), "
@@ -518,12 +520,30 @@ class NvmlCheck:
             return -1
 
 
-def default_checks(work_dir: str) -> list[HealthCheck]:
-    """Disk (the file system of work_dir) and memory on every machine; NVML where GPUs exist."""
+def default_checks(work_dir: str, checkpoint_dir: str = "") -> list[HealthCheck]:
+    """Disk (the file system of work_dir) and memory on every machine; NVML where GPUs exist.
+    The checkpoint volume apart (when it is another file system): a full one fails every
+    job's checkpoints, but the node itself is fine, so it is a finding of its own kind that
+    isolates nothing."""
     checks: list[HealthCheck] = [DiskCheck(work_dir), MemoryCheck()]
+    if checkpoint_dir and _file_system(checkpoint_dir) != _file_system(work_dir):
+        checks.append(DiskCheck(checkpoint_dir, kind=common_pb2.FAILURE_KIND_CHECKPOINT_STORAGE))
     if NvmlCheck.available():
         checks.append(NvmlCheck())
     return checks
+
+
+def _file_system(path: str) -> int | None:
+    """The device of the nearest existing directory at or above `path`."""
+    here = os.path.abspath(path)
+    while True:
+        try:
+            return os.stat(here).st_dev
+        except OSError:
+            parent = os.path.dirname(here)
+            if parent == here:
+                return None
+            here = parent
 
 
 def run_checks(checks: Sequence[HealthCheck]) -> list[HealthFinding]:

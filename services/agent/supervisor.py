@@ -23,6 +23,28 @@ from services.agent.spares import SparePool
 log = logging.getLogger(__name__)
 
 STDERR_TAIL_BYTES = 4096
+# Memberships whose output files are remembered (for `unicron logs` after a worker exits);
+# the oldest are forgotten past this, and then found by their files' names.
+OUTPUT_HISTORY = 4096
+
+
+# What a trainer never inherits: the agent's own settings (UNICRON_AGENT_*: its TLS key and
+# certificate, its join token file among them) and a client certificate for the trainer
+# link. A trainer runs the user's program; it proves itself to its agent by its worker token
+# and checks the agent against the CA, and needs no credential of the node's.
+AGENT_ENV_PREFIX = "UNICRON_AGENT_"
+NEVER_INHERITED = frozenset({"UNICRON_TRAINER_TLS_CERT", "UNICRON_TRAINER_TLS_KEY"})
+_KEY_MATERIAL = "PRIVATE KEY-----"
+
+
+def without_node_secrets(env: Mapping[str, str]) -> dict[str, str]:
+    """`env` less what names or holds the node's credentials (a key in PEM, whatever the
+    variable is called, too)."""
+    return {
+        name: value
+        for name, value in env.items()
+        if not name.startswith(AGENT_ENV_PREFIX) and name not in NEVER_INHERITED and _KEY_MATERIAL not in value
+    }
 
 
 @dataclass(frozen=True)
@@ -43,6 +65,16 @@ class Worker:
     err_path: Path
     slot: int  # index of the node's slot, and of its GPU where the node has GPUs
     key: WorkerKey
+
+
+@dataclass(frozen=True)
+class Output:
+    """Where the worker that held a membership writes: its files for life, and its id (to
+    tell whether it still runs, and as what)."""
+
+    out_path: Path
+    err_path: Path
+    worker_id: str
 
 
 @dataclass(frozen=True)
@@ -75,6 +107,9 @@ class Supervisor:
         self._spares = spares
         self._lock = threading.Lock()
         self._workers: dict[WorkerKey, Worker] = {}
+        # Every membership a worker held and the files it wrote them to, oldest first: a
+        # reform moves a rank into a worker whose files are named after an older one.
+        self._outputs: dict[WorkerKey, Output] = {}
         self._gpus = tuple(gpus)
         self._launched = 0
         self._stopping: set[WorkerKey] = set()
@@ -95,7 +130,7 @@ class Supervisor:
             slot = self._free_slot()
             self._launched += 1
             worker_id = f"w{self._launched}"
-        env = dict(env)
+        env = without_node_secrets(env)
         if self._gpus:
             env["CUDA_VISIBLE_DEVICES"] = self._gpus[slot % len(self._gpus)]
         proc = None
@@ -119,6 +154,7 @@ class Supervisor:
             closed = self._closed
             if not closed:
                 self._workers[key] = worker
+                self._remember_output(key, worker)
                 self._write_registry()
         if closed:
             _signal_group(proc, signal.SIGKILL)
@@ -209,11 +245,29 @@ class Supervisor:
                 return False
             worker.key = new
             self._workers[new] = worker
+            self._remember_output(new, worker)
             self._write_registry()
             if old in self._stopping:
                 self._stopping.discard(old)
                 self._stopping.add(new)
         return True
+
+    def _remember_output(self, key: WorkerKey, worker: Worker) -> None:
+        """Records that `worker` now writes as `key` (caller holds the lock)."""
+        self._outputs.pop(key, None)
+        self._outputs[key] = Output(worker.out_path, worker.err_path, worker.worker_id)
+        while len(self._outputs) > OUTPUT_HISTORY:
+            del self._outputs[next(iter(self._outputs))]
+
+    def outputs(self, job_id: str, rank: int) -> dict[int, Output]:
+        """Where the workers that were `rank` of the job wrote, by generation."""
+        with self._lock:
+            return {k.generation: o for k, o in self._outputs.items() if k.job_id == job_id and k.rank == rank}
+
+    def current_key(self, worker_id: str) -> WorkerKey | None:
+        """The membership the worker holds now; None once it exited (or was never here)."""
+        with self._lock:
+            return next((w.key for w in self._workers.values() if w.worker_id == worker_id), None)
 
     def pids(self, job_id: str) -> dict[WorkerKey, int]:
         with self._lock:

@@ -24,12 +24,13 @@ import redis
 from services.coordinator.coordinator import Coordinator, Settings
 from services.coordinator.ladder import LadderPolicy
 from services.coordinator.lease import DEFAULT_TTL_S, EXIT_LEASE_LOST, Lease, LeaseKeeper, lease_client
-from services.coordinator.metrics import CoordinatorMetrics, setup_metrics
+from services.coordinator.metrics import CoordinatorMetrics, census, setup_metrics
 from services.coordinator.planner_client import PlannerClient
+from services.coordinator.prometheus import DEFAULT_BIND, parse_bind, serve_metrics
 from services.coordinator.redis_store import RedisStore
 from services.coordinator.server import serve
 from unicron import redisutil, rpc, timeouts
-from unicron.config import require
+from unicron.config import require, setting
 from unicron.errors import UnicronError
 from unicron.logs import exit_flushed
 from unicron.security import ServerSecurity, TLSConfig, TokenBook, server_security
@@ -41,34 +42,49 @@ GIL_SWITCH_INTERVAL_S = 0.001
 
 @dataclass(frozen=True)
 class CoordinatorConfig(TLSConfig):
-    bind: str = "127.0.0.1:50051"
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    planners: tuple[str, ...] = ("127.0.0.1:50061",)
-    heartbeat_interval_s: float = 1.0
-    heartbeat_timeout_s: float = 3.0
-    reconcile_interval_s: float = 0.5
-    plan_time_limit_s: float = 2.0
-    failure_rate_per_node_per_s: float = 1.0 / (30 * 24 * 3600)
-    max_workers: int = 64
-    log_level: str = "info"
-    # The leader lease: a standby takes over within about this long after the active dies.
-    lease_ttl_s: float = DEFAULT_TTL_S
-    # Who holds the lease, for logs and tools (default: host:pid@bind).
-    identity: str = ""
-    # The severity ladder: a remedy used this many times within the window escalates; this
-    # many remedies of any kind within the window fail the job.
-    remedy_attempts: int = 2
-    remedy_window_s: float = 600.0
-    max_remedies: int = 6
-    # Deadlines: an agent's acknowledgement of a start, a remedy's first iteration.
-    ack_timeout_s: float = timeouts.ACK_S
-    recovery_timeout_s: float = timeouts.RECOVERY_S
-    # Restart only a job's dead ranks (state from a live peer) when the others wait.
-    reform_restarts: bool = True
-    # Users' tokens and the agents' join token (YAML: join_token, users: [{name, token,
-    # admin}]; `make certs` writes one). Required with TLS; with --plaintext and none, no
-    # one is authenticated.
-    tokens_file: str = ""
+    bind: str = setting("127.0.0.1:50051", "host:port to serve on (once this process holds the lease)")
+    redis_url: str = setting("redis://127.0.0.1:6379/0", "the Redis that holds the cluster's state and the lease")
+    planners: tuple[str, ...] = setting(
+        ("127.0.0.1:50061",), "planner replicas, host:port, comma-separated; a plan asks the next that answers"
+    )
+    heartbeat_interval_s: float = setting(1.0, "how often agents are told to send a heartbeat")
+    heartbeat_timeout_s: float = setting(3.0, "a node silent this long is declared lost")
+    reconcile_interval_s: float = setting(0.5, "how often the reconcile loop compares jobs with what runs")
+    plan_time_limit_s: float = setting(2.0, "how long the planner's solver may search for one plan")
+    failure_rate_per_node_per_s: float = setting(
+        1.0 / (30 * 24 * 3600),
+        "expected failures per node per second (by default one a month); plans weigh a change's cost "
+        "against the expected time to the next failure",
+    )
+    max_workers: int = setting(64, "threads for the servicers' blocking work (Redis calls)")
+    log_level: str = setting("info", "debug, info, warning or error")
+    lease_ttl_s: float = setting(
+        DEFAULT_TTL_S, "the leader lease: a standby takes over within about this long after the active one dies"
+    )
+    identity: str = setting("", "who holds the lease, for logs and tools (empty: host:pid@bind)")
+    remedy_attempts: int = setting(
+        2, "a remedy used this many times for a job within --remedy-window-s escalates to the next, heavier one"
+    )
+    remedy_window_s: float = setting(600.0, "the window in which a job's remedies are counted")
+    max_remedies: int = setting(6, "this many remedies of any kind for a job within the window fail the job")
+    ack_timeout_s: float = setting(
+        timeouts.ACK_S, "how long an agent may take to acknowledge a start, stop or reform command"
+    )
+    recovery_timeout_s: float = setting(
+        timeouts.RECOVERY_S, "a remedied job must finish an iteration within this long, else it counts as a new failure"
+    )
+    reform_restarts: bool = setting(
+        True, "restart only a job's dead ranks (state from a live peer) while the others wait"
+    )
+    tokens_file: str = setting(
+        "",
+        "users' tokens and the agents' join token (YAML: join_token, users: [{name, token, admin}]; "
+        "make certs writes one); required with TLS, and with --plaintext and none no one is authenticated",
+    )
+    metrics_bind: str = setting(
+        DEFAULT_BIND,
+        "host:port of the Prometheus /metrics endpoint (plain HTTP, served by the active coordinator); empty: none",
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -80,6 +96,8 @@ class CoordinatorConfig(TLSConfig):
         if self.tokens_file:
             TokenBook.load(self.tokens_file)  # a bad file is named now, not at the first call
         require(":" in self.bind, "bind", "must be host:port")
+        if self.metrics_bind:
+            parse_bind(self.metrics_bind)
         require(len(self.planners) > 0, "planners", "needs at least one planner address")
         require(self.heartbeat_interval_s > 0, "heartbeat_interval_s", "must be positive")
         require(
@@ -126,8 +144,13 @@ def setup(
             recovery_timeout_s=config.recovery_timeout_s,
             reform_restarts=config.reform_restarts,
         ),
+        agent_security=config.client(),  # agents admit its certificate to read their logs
     )
-    coordinator.metrics = CoordinatorMetrics(coordinator.cluster)
+    coordinator.metrics = CoordinatorMetrics(
+        coordinator.cluster, census=lambda: census(coordinator.list_jobs(), coordinator.registry.nodes())
+    )
+    if config.metrics_bind:
+        server.on_stop(serve_metrics(config.metrics_bind).stop)
     serve(server, coordinator)
     # The reconcile loop and the servicers' Redis calls are threads that give up the GIL
     # for every round trip and must win it back from the event loop's thread: at Python's
@@ -182,7 +205,7 @@ class _LeaseHolder:
         self._keeper: LeaseKeeper | None = None
 
     def acquire(self, config: CoordinatorConfig, log: logging.Logger, stopping: threading.Event) -> bool:
-        setup_metrics(NAME)
+        setup_metrics(NAME, prometheus=bool(config.metrics_bind))
         lease = Lease(lease_client(config.redis_url, config.lease_ttl_s), identity_of(config), ttl_s=config.lease_ttl_s)
         try:
             acquired = lease.try_acquire()

@@ -8,17 +8,20 @@ owns it (docs/architecture.md: the coordinator's parts):
 - `healing.Healer`: reports into incidents, incidents into remedies (pure rules in
   `intake`, `ladder` and `remedies`);
 - `replan.Replanner`: when to ask the planner, and carrying its plan out;
+- `logs.Logs`: a rank's output, relayed from its node's agent;
 - `reconciler.Reconciler`: the loop that observes, decides and acts."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 
 from services.coordinator.command_feed import CommandStream
 from services.coordinator.context import Context, Settings
 from services.coordinator.healing import Healer
 from services.coordinator.jobs import Jobs, visible
+from services.coordinator.logs import Logs, LogSource
+from services.coordinator.maintenance import Maintenance
 from services.coordinator.metrics import CoordinatorMetrics
 from services.coordinator.planner_client import Planner
 from services.coordinator.reconciler import Reconciler
@@ -26,7 +29,8 @@ from services.coordinator.registry import NodeRegistry
 from services.coordinator.replan import Replanner
 from services.coordinator.reports import Monitors, Reports
 from services.coordinator.store import Store
-from unicron.v1 import common_pb2, job_service_pb2, node_service_pb2
+from unicron.security import ClientSecurity
+from unicron.v1 import common_pb2, job_service_pb2, logs_pb2, node_service_pb2
 
 __all__ = ["Coordinator", "Settings", "visible"]
 
@@ -39,7 +43,9 @@ class Coordinator:
         settings: Settings | None = None,
         clock: Callable[[], float] = time.time,
         metrics: CoordinatorMetrics | None = None,
+        agent_security: ClientSecurity | None = None,
     ) -> None:
+        """`agent_security`: how it calls agents for their trainers' logs (None: plaintext)."""
         self.ctx = Context(store, settings or Settings(), clock, started_at=clock(), metrics=metrics)
         monitors = Monitors(self.ctx)
         self.registry = NodeRegistry(self.ctx, joined=lambda reason: self.replanner.want(reason))
@@ -47,7 +53,9 @@ class Coordinator:
         self.healer = Healer(self.ctx, self.replanner, forget_job=monitors.forget, nodes=self.registry.nodes)
         self.reports = Reports(self.ctx, self.healer, self.replanner, monitors)
         self.jobs = Jobs(self.ctx, self.registry, self.replanner)
+        self.logs = Logs(self.ctx, self.jobs, agent_security)
         self.reconciler = Reconciler(self.ctx, self.registry, self.healer, self.replanner)
+        self.maintenance = Maintenance(self.ctx, self.registry, self.replanner)
 
     @property
     def store(self) -> Store:
@@ -105,6 +113,14 @@ class Coordinator:
     def list_incidents(self, job_id: str = "", scope: str | None = None) -> list[common_pb2.Incident]:
         return self.jobs.incidents(job_id, scope)
 
+    def log_source(self, job_id: str, rank: int, scope: str | None = None) -> LogSource:
+        return self.logs.source(job_id, rank, scope)
+
+    def read_logs(
+        self, source: LogSource, request: job_service_pb2.StreamLogsRequest
+    ) -> AsyncIterator[logs_pb2.LogChunk]:
+        return self.logs.read(source, request)
+
     # ---- nodes ------------------------------------------------------------------------
 
     def register_node(
@@ -123,6 +139,12 @@ class Coordinator:
 
     def heartbeat_if_seen(self, node_id: str) -> bool:
         return self.registry.heartbeat_if_seen(node_id)
+
+    def drain(self, node_id: str) -> tuple[common_pb2.Node, list[str]]:
+        return self.maintenance.drain(node_id)
+
+    def uncordon(self, node_id: str) -> common_pb2.Node:
+        return self.maintenance.uncordon(node_id)
 
     def nodes(self) -> list[common_pb2.Node]:
         return self.registry.with_usage()

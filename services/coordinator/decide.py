@@ -45,10 +45,10 @@ def used_slots(jobs: Iterable[common_pb2.Job]) -> dict[str, int]:
 
 
 def hit_jobs(jobs: Iterable[common_pb2.Job], nodes: Iterable[common_pb2.Node]) -> set[str]:
-    """Active jobs that must move: ranks on a node that is not READY, or a remedy that waits
+    """Active jobs that must move: ranks on a node that is not READY (or is drained), or a remedy that waits
     for a re-plan to carry it out. The second without the first is a node lost and back (its
     agent started again) before the re-plan: the job's ranks there died all the same."""
-    ready = {node.node_id for node in nodes if node.state == common_pb2.NODE_STATE_READY}
+    ready = {node.node_id for node in nodes if node.state == common_pb2.NODE_STATE_READY and not node.cordoned}
     return {
         job.job_id
         for job in jobs
@@ -92,8 +92,9 @@ def plan_request(
         request.nodes.add(
             node_id=node.node_id,
             slots=min(node.slots, used.get(node.node_id, 0)) if node.node_id in quiet else node.slots,
-            healthy=node.state == common_pb2.NODE_STATE_READY,
+            healthy=node.state == common_pb2.NODE_STATE_READY and not node.cordoned,
             failure_domain=node.failure_domain,
+            drained=node.cordoned,
         )
     for job in jobs:
         if job.state not in state.ACTIVE and job.state != state.PENDING:
@@ -110,6 +111,8 @@ def plan_request(
             hit_by_failure=job.job_id in hit,
             throughput=dict(job.spec.throughput),
         )
+        if not job.spec.throughput:
+            plan_job.measured_throughput.update(job.progress.measured_flops_per_second)
         parameters, tokens_per_step = estimate_of(job)
         if not job.spec.throughput and parameters > 0 and tokens_per_step > 0:
             plan_job.estimate.parameters = parameters

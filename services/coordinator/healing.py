@@ -106,6 +106,8 @@ class Healer:
                 "node_id": report.node_id,
             },
         )
+        if created and self._ctx.metrics is not None:
+            self._ctx.metrics.record_opened(incident)
         if created and incident.kind != common_pb2.FAILURE_KIND_STRAGGLER:
             trace.record_span(
                 incident.traceparent,

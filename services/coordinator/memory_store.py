@@ -232,6 +232,15 @@ class MemoryStore:
                     changed.append(node_id)
             return changed
 
+    def set_node_cordoned(self, node_id: str, cordoned: bool) -> common_pb2.Node | None:
+        with self._lock:
+            node = self.get_node(node_id)
+            if node is None:
+                return None
+            node.cordoned = cordoned
+            self._nodes[node_id] = node.SerializeToString()
+            return node
+
     # ---- commands ---------------------------------------------------------------------
 
     def append_command(self, node_id: str, command: node_service_pb2.NodeCommand) -> str:

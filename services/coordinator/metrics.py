@@ -1,16 +1,20 @@
-"""The coordinator's OpenTelemetry metrics (docs/architecture.md: Observability): cluster and per-job WAF
-as observable gauges read from a snapshot of the cluster, and what each incident cost.
+"""The coordinator's OpenTelemetry metrics (docs/architecture.md: Observability): cluster and per-job WAF,
+jobs and nodes by state as observable gauges read from a snapshot of the cluster; incidents
+by kind and what each incident cost.
 
 Like tracing (unicron/telemetry.py), metrics are exported over OTLP when
-OTEL_EXPORTER_OTLP_ENDPOINT is set and kept nowhere otherwise, so a first run needs no
-collector."""
+OTEL_EXPORTER_OTLP_ENDPOINT is set; with `prometheus`, the same instruments are also read by
+a Prometheus reader that services/coordinator/prometheus.py serves over HTTP. Instrument
+names and units are chosen so that the Prometheus names come out conventional
+(prometheus.METRICS lists them)."""
 
 from __future__ import annotations
 
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 
 from opentelemetry import metrics
 from opentelemetry.metrics import CallbackOptions, MeterProvider, Observation
@@ -27,15 +31,26 @@ METER = "unicron.coordinator"
 # incident, so it is not taken once per instrument.
 SNAPSHOT_TTL_S = 1.0
 
+# Seconds; OpenTelemetry's default buckets are for milliseconds. Detection takes from well
+# under a second (a crash) to the heartbeat timeout or a collective's (tens of seconds);
+# a transition from a reattempt's second to a re-plan's restart of minutes.
+DETECTION_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+TRANSITION_BUCKETS_S = (0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
+
 _provider: SdkMeterProvider | None = None
 
 
-def setup_metrics(service: str, export_interval_s: float = 15.0) -> SdkMeterProvider:
-    """The process's meter provider, made global; once per process."""
+def setup_metrics(service: str, export_interval_s: float = 15.0, prometheus: bool = False) -> SdkMeterProvider:
+    """The process's meter provider, made global; once per process. With `prometheus`, a
+    pull reader too, which prometheus.serve_metrics serves (its registry is global)."""
     global _provider
     if _provider is not None:
         return _provider
     readers: list[MetricReader] = []
+    if prometheus:
+        from services.coordinator import prometheus as prom
+
+        readers.append(prom.reader())
     if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
         # Imported lazily, like the span exporter: it brings its own gRPC channel machinery.
         from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
@@ -60,63 +75,139 @@ def remedy_name(remedy: int) -> str:
     return pb.Remedy.Name(remedy).removeprefix("REMEDY_").lower() if remedy else "none"
 
 
+def _state_names(enum: type[pb.JobState] | type[pb.NodeState], prefix: str) -> tuple[str, ...]:
+    return tuple(name.removeprefix(prefix).lower() for name in enum.keys() if not name.endswith("_UNSPECIFIED"))
+
+
+JOB_STATES = _state_names(pb.JobState, "JOB_STATE_")
+NODE_STATES = _state_names(pb.NodeState, "NODE_STATE_")
+
+
+@dataclass(frozen=True)
+class Census:
+    """How many jobs and nodes are in each state (lower-case state names)."""
+
+    jobs: Mapping[str, int] = field(default_factory=dict)
+    nodes: Mapping[str, int] = field(default_factory=dict)
+
+
+def census(jobs: Iterable[pb.Job], nodes: Iterable[pb.Node]) -> Census:
+    """Every stored job and node counted by state; every state present, 0 when none is in it,
+    so that a dashboard's series do not vanish."""
+    by_job = dict.fromkeys(JOB_STATES, 0)
+    for job in jobs:
+        name = pb.JobState.Name(job.state).removeprefix("JOB_STATE_").lower()
+        if name in by_job:
+            by_job[name] += 1
+    by_node = dict.fromkeys(NODE_STATES, 0)
+    for node in nodes:
+        name = pb.NodeState.Name(node.state).removeprefix("NODE_STATE_").lower()
+        if name in by_node:
+            by_node[name] += 1
+    return Census(by_job, by_node)
+
+
 class CoordinatorMetrics:
-    """Instruments of one coordinator. snapshot() is called from the metric reader's thread
-    at each collection; record_incident() once per incident, when its job resumes."""
+    """Instruments of one coordinator. snapshot() and census() are called from a metric
+    reader's thread at each collection; record_opened() once per incident, when it is
+    opened; record_incident() once per incident, when its job resumes.
+
+    Units: "flop/s" and "s" become the Prometheus suffixes `_flop_per_second` and
+    `_seconds`; a count's unit is an annotation ("{incident}"), which adds no suffix."""
 
     def __init__(
         self,
         snapshot: Callable[[], job_service_pb2.GetClusterResponse],
         meter_provider: MeterProvider | None = None,
         clock: Callable[[], float] = time.monotonic,
+        census: Callable[[], Census] | None = None,
     ) -> None:
         self._snapshot = snapshot
+        self._census = census or Census
         self._clock = clock
         self._lock = threading.Lock()
-        self._cached: job_service_pb2.GetClusterResponse | None = None
+        self._cached: tuple[job_service_pb2.GetClusterResponse, Census] | None = None
         self._cached_at = 0.0
         meter = (meter_provider or metrics.get_meter_provider()).get_meter(METER)
-        meter.create_observable_gauge(
-            "unicron.cluster.waf",
-            callbacks=[self._observe_cluster],
-            unit="FLOP/s",
-            description="Weighted achieved FLOP/s of the whole cluster (sum over running jobs)",
-        )
-        meter.create_observable_gauge(
-            "unicron.job.waf",
-            callbacks=[self._observe_jobs],
-            unit="FLOP/s",
-            description="Weighted achieved FLOP/s of one job (weight x FLOP/s of its last iteration)",
+        self._observables(meter)
+        self._incidents = meter.create_counter(
+            "unicron.incidents",
+            unit="{incident}",
+            description="Incidents opened, by root-cause kind and severity",
         )
         self._detection = meter.create_histogram(
             "unicron.incident.detection_seconds",
             unit="s",
             description="From a failure's first sign to the coordinator holding a classified report",
+            explicit_bucket_boundaries_advisory=DETECTION_BUCKETS_S,
         )
         self._transition = meter.create_histogram(
             "unicron.incident.transition_seconds",
             unit="s",
             description="From detection to the job's first good iteration after the remedy",
+            explicit_bucket_boundaries_advisory=TRANSITION_BUCKETS_S,
         )
         self._waf_seconds = meter.create_counter(
             "unicron.incident.waf_seconds",
-            unit="FLOP",
+            unit="{WAF-second}",
             description="Weighted FLOP lost to failures (WAF x seconds), by phase",
         )
+        self._slot_seconds = meter.create_counter(
+            "unicron.incident.slot_seconds",
+            unit="{slot-second}",
+            description="Slot-seconds (GPU-seconds where a slot is a GPU) lost to failures, by phase",
+        )
 
-    def _current(self) -> job_service_pb2.GetClusterResponse:
+    def _observables(self, meter: metrics.Meter) -> None:
+        meter.create_observable_gauge(
+            "unicron.cluster.waf",
+            callbacks=[self._observe_cluster],
+            unit="flop/s",
+            description="Weighted achieved FLOP/s of the whole cluster (sum over running jobs)",
+        )
+        meter.create_observable_gauge(
+            "unicron.job.waf",
+            callbacks=[self._observe_jobs],
+            unit="flop/s",
+            description="Weighted achieved FLOP/s of one job (weight x FLOP/s of its last iteration)",
+        )
+        meter.create_observable_gauge(
+            "unicron.jobs",
+            callbacks=[self._observe_job_states],
+            unit="{job}",
+            description="Stored jobs by state",
+        )
+        meter.create_observable_gauge(
+            "unicron.nodes",
+            callbacks=[self._observe_node_states],
+            unit="{node}",
+            description="Registered nodes by state",
+        )
+
+    def _current(self) -> tuple[job_service_pb2.GetClusterResponse, Census]:
         with self._lock:
             now = self._clock()
             if self._cached is None or now - self._cached_at > SNAPSHOT_TTL_S:
-                self._cached = self._snapshot()
+                self._cached = (self._snapshot(), self._census())
                 self._cached_at = now
             return self._cached
 
     def _observe_cluster(self, options: CallbackOptions) -> Iterable[Observation]:
-        return [Observation(self._current().waf)]
+        return [Observation(self._current()[0].waf)]
 
     def _observe_jobs(self, options: CallbackOptions) -> Iterable[Observation]:
-        return [Observation(job.waf, {"job": job.name, "job_id": job.job_id}) for job in self._current().jobs]
+        return [Observation(job.waf, {"job": job.name, "job_id": job.job_id}) for job in self._current()[0].jobs]
+
+    def _observe_job_states(self, options: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(n, {"state": state}) for state, n in self._current()[1].jobs.items()]
+
+    def _observe_node_states(self, options: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(n, {"state": state}) for state, n in self._current()[1].nodes.items()]
+
+    def record_opened(self, incident: pb.Incident) -> None:
+        self._incidents.add(
+            1, {"kind": failures.kind_name(incident.kind), "severity": failures.severity_name(incident.severity)}
+        )
 
     @staticmethod
     def _attributes(incident: pb.Incident) -> dict[str, str]:
@@ -132,16 +223,38 @@ class CoordinatorMetrics:
         attributes = self._attributes(incident)
         self._detection.record(c.detection_seconds, attributes)
         self._transition.record(c.transition_seconds, attributes)
-        for phase, value in (
-            ("detection", c.detection_waf_seconds),
-            ("transition", c.transition_waf_seconds),
-            ("sub_healthy", c.sub_healthy_waf_seconds),
+        for phase, value, seconds in (
+            ("detection", c.detection_waf_seconds, c.detection_seconds),
+            ("transition", c.transition_waf_seconds, c.transition_seconds),
         ):
-            if value > 0:
-                self._waf_seconds.add(value, {**attributes, "phase": phase})
+            self._lost(attributes, phase, value, c.healthy_slots * seconds)
+        self._lost(
+            attributes,
+            "sub_healthy",
+            c.sub_healthy_waf_seconds,
+            _sub_healthy_slot_seconds(c, c.sub_healthy_waf_seconds),
+        )
 
     def record_sub_healthy(self, incident: pb.Incident, waf_seconds: float) -> None:
         """Counts waf_seconds more lost to running smaller after incident (the difference
         accrue_sub_healthy added to its cost)."""
+        self._lost(
+            self._attributes(incident),
+            "sub_healthy",
+            waf_seconds,
+            _sub_healthy_slot_seconds(incident.cost, waf_seconds),
+        )
+
+    def _lost(self, attributes: dict[str, str], phase: str, waf_seconds: float, slot_seconds: float) -> None:
         if waf_seconds > 0:
-            self._waf_seconds.add(waf_seconds, {**self._attributes(incident), "phase": "sub_healthy"})
+            self._waf_seconds.add(waf_seconds, {**attributes, "phase": phase})
+        if slot_seconds > 0:
+            self._slot_seconds.add(slot_seconds, {**attributes, "phase": phase})
+
+
+def _sub_healthy_slot_seconds(c: pb.FailureCost, waf_seconds: float) -> float:
+    """The slots missing x the seconds behind waf_seconds of sub-healthy cost: that cost
+    accrues at healthy_waf x (missing slots / healthy_slots) per second (cost.size_loss)."""
+    if c.healthy_waf <= 0 or c.healthy_slots <= 0:
+        return 0.0
+    return waf_seconds / c.healthy_waf * c.healthy_slots

@@ -494,6 +494,30 @@ class RedisStore:
         return []
 
     @redis_errors
+    def set_node_cordoned(self, node_id: str, cordoned: bool) -> common_pb2.Node | None:
+        """Compare-and-set of a node's cordon (a registration racing it is read again)."""
+        if not storable(node_id):
+            return None
+        key = _node_key(node_id)
+        for _ in _attempts():
+            with self._redis.pipeline() as pipe:
+                try:
+                    self._watch(pipe, key)
+                    raw = pipe.get(key)
+                    if raw is None:
+                        return None
+                    node = common_pb2.Node.FromString(raw)
+                    node.cordoned = cordoned
+                    pipe.multi()
+                    pipe.set(key, node.SerializeToString())
+                    pipe.set(NODES_VERSION, _new_version())
+                    pipe.execute()
+                    return node
+                except redis.WatchError:
+                    continue
+        raise Conflict(f"node {node_id}: too many concurrent updates")
+
+    @redis_errors
     def append_command(self, node_id: str, command: node_service_pb2.NodeCommand) -> str:
         payload = {EVENT_FIELD: command.SerializeToString()}
         command_id: bytes = self._fenced(lambda pipe: pipe.xadd(_commands_key(node_id), payload))[0]

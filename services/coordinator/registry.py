@@ -114,6 +114,8 @@ class NodeRegistry:
         )
         if previous is not None:
             node.registered.CopyFrom(previous.registered)
+            # A drain is the operator's: an agent restarted for the maintenance keeps it.
+            node.cordoned = previous.cordoned
         else:
             node.registered.FromNanoseconds(int(now * 1e9))
         if previous is not None and previous.state == common_pb2.NODE_STATE_READY:

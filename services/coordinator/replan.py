@@ -97,7 +97,8 @@ def change_write(job: common_pb2.Job, change: decide.Change, given: StepInputs) 
         pending = decide.pending_remedy(job)
         if pending is not None and pending.generation == 0:
             pending.generation = given.assignment.generation
-        state.transition(job, state.SCHEDULED, now, f"placed on {placed}")
+        # The planner's reason says why this size: the FLOP/s it judged at each size.
+        state.transition(job, state.SCHEDULED, now, f"placed on {placed}: {change.reason}")
         return JobWrite(
             [event(job, EventType.JOB_EVENT_TYPE_ASSIGNED, now, f"placed on {placed} ({change.reason})")], commands
         )
@@ -136,7 +137,7 @@ def _move(
             command.traceparent = pending.traceparent
     else:
         job.replans += 1
-    state.transition(job, state.RECOVERING, now, reason)
+    state.transition(job, state.RECOVERING, now, f"{reason}; {change.reason}")
     message = f"{reason}: {before} -> {assignment.world_size} slots; {change.reason}"
     return JobWrite(
         [

@@ -7,14 +7,16 @@ from __future__ import annotations
 import logging
 import math
 import threading
+from collections.abc import Mapping
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from services.coordinator import decide, incidents, ladder, state, transitions
+from services.coordinator import conditions, decide, incidents, ladder, state, transitions
 from services.coordinator.context import Context
 from services.coordinator.events import EventType, event
 from services.coordinator.healing import Healer
 from services.coordinator.replan import Replanner
+from services.coordinator.reporters import check_reporter
 from services.coordinator.store import JobWrite
 from unicron.errors import InvalidArgument, NotFound, ResourceExhausted
 from unicron.monitor import JobMonitor, ReportRejected
@@ -25,6 +27,9 @@ log = logging.getLogger(__name__)
 
 # An agent batches its trainers' reports every 0.2 s; this leaves room for bursts.
 REPORTS_PER_NODE_PER_S = 100.0
+
+# How much one iteration moves a size's measured FLOP/s (learned_throughput).
+LEARNING_WEIGHT = 0.2
 
 _NOT_YET_RUNNING = (common_pb2.WORKER_STATE_STARTING, common_pb2.WORKER_STATE_LAUNCHED)
 
@@ -41,6 +46,20 @@ def resumes(job: common_pb2.Job, report: node_service_pb2.IterationReport) -> bo
     if pending.remedy == common_pb2.REMEDY_REATTEMPT:
         return report.iteration > job.progress.iteration
     return pending.generation == report.generation
+
+
+def learned_throughput(
+    measured: Mapping[int, float], size: int, flops_per_second: float, weight: float = LEARNING_WEIGHT
+) -> dict[int, float]:
+    """The job's measured FLOP/s per size after one more iteration at `size`: a running mean
+    (exponentially weighted), so that one slow iteration moves it a little and a job that
+    really got slower is believed within a few dozen."""
+    out = dict(measured)
+    if size < 1 or not flops_per_second > 0 or not math.isfinite(flops_per_second):
+        return out
+    before = out.get(size)
+    out[size] = flops_per_second if before is None else before + weight * (flops_per_second - before)
+    return out
 
 
 def check_time(stamp: Timestamp, field: str) -> None:
@@ -163,6 +182,7 @@ class Reports:
             if report.job_id not in jobs:
                 jobs[report.job_id] = store.get_job(report.job_id)
             check_generation(jobs[report.job_id], report.generation, f"reports[{i}].generation")
+            check_reporter(jobs[report.job_id], node_id, report.generation, report.rank, f"reports[{i}].rank")
         now = self._ctx.clock()
         for report in reports:
             jobs[report.job_id] = self._one(jobs[report.job_id], node_id, report, now)
@@ -193,6 +213,7 @@ class Reports:
                 self._set_progress(job, report, now)
             return job
         self._monitors.observe(job, report, now)
+        job = self._conditions(job, report, now)
         if any(w.node_id == node_id and w.state in _NOT_YET_RUNNING for w in job.workers):
             job = self._ctx.store.update_job(
                 job.job_id,
@@ -212,14 +233,44 @@ class Reports:
         self._set_progress(job, report, now)
         return job
 
+    def _conditions(self, job: common_pb2.Job, report: node_service_pb2.IterationReport, now: float) -> common_pb2.Job:
+        """Checkpoints or snapshots failing (or saved again): the job's conditions and an
+        event, written only when one begins or clears."""
+        if conditions.update(job.conditions, report, now) is None:
+            return job
+
+        def mutate(current: common_pb2.Job) -> JobWrite | None:
+            change = conditions.update(current.conditions, report, now)
+            if change is None:
+                return None
+            del current.conditions[:]
+            current.conditions.extend(change.conditions)
+            for line in change.changes:
+                log.warning("job condition", extra={"job_id": current.job_id, "condition": line})
+            return JobWrite([event(current, EventType.JOB_EVENT_TYPE_CONDITION, now, line) for line in change.changes])
+
+        return self._ctx.store.update_job(job.job_id, mutate)
+
     def _set_progress(self, job: common_pb2.Job, report: node_service_pb2.IterationReport, now: float) -> None:
         """Stores rank 0's report as the job's progress (and updates `job` to match)."""
+        flops_per_second = report.flops / report.seconds if report.seconds > 0 else 0.0
+        measured: Mapping[int, float] = job.progress.measured_flops_per_second
+        # The first iteration after a (re)start (it names where its state came from) pays
+        # for warm-up, and a report of an older generation ran at another size.
+        size = job.assignment.world_size
+        if report.generation == job.assignment.generation and not report.state_source:
+            measured = learned_throughput(measured, size, flops_per_second)
+            if size in measured and size not in job.progress.measured_flops_per_second and not job.spec.throughput:
+                # The plan that sized the job had only an estimate here: plan again with the
+                # measurement (once per size, so a job is not re-planned every iteration).
+                self._replanner.want(f"throughput of {job.job_id} measured at {size} ranks")
         progress = common_pb2.JobProgress(
             iteration=report.iteration,
             loss=report.loss,
             iteration_seconds=report.seconds,
             tokens=job.progress.tokens + report.tokens,
-            flops_per_second=report.flops / report.seconds if report.seconds > 0 else 0.0,
+            flops_per_second=flops_per_second,
+            measured_flops_per_second=measured,
         )
         progress.updated.FromNanoseconds(int(now * 1e9))
         message = f"iteration {report.iteration}/{job.spec.training.iterations} loss {report.loss:.4f}"
@@ -314,7 +365,11 @@ class Reports:
         if self._ctx.store.get_node(node_id) is None:
             raise NotFound(f"node {node_id!r} is not registered")
         if report.job_id:
-            check_generation(self._ctx.store.get_job(report.job_id), report.generation, "report.generation")
+            job = self._ctx.store.get_job(report.job_id)
+            check_generation(job, report.generation, "report.generation")
+            check_reporter(
+                job, node_id, report.generation, report.rank if report.HasField("rank") else None, "report.rank"
+            )
         stamped = common_pb2.FailureReport()
         stamped.CopyFrom(report)
         stamped.node_id = node_id
@@ -328,13 +383,11 @@ class Reports:
         except NotFound:
             return
         check_generation(job, request.generation, "generation")
+        # A rank the generation does not have is refused here too: counted, it would stand in
+        # for a live rank, and the job would end while one still runs.
+        check_reporter(job, request.node_id, request.generation, request.rank, "rank")
         if job.assignment.generation != request.generation or job.state not in state.ACTIVE:
             return
-        if request.rank >= job.assignment.world_size:
-            # Counted, it would stand in for a live rank: the job would end while one still runs.
-            raise InvalidArgument(
-                "rank", f"{request.rank} is not a rank of job {job.job_id} (world size {job.assignment.world_size})"
-            )
         code = -request.signal if request.signal else request.exit_code
         iterations = job.spec.training.iterations
         if code != 0 and iterations and request.last_iteration >= iterations:

@@ -15,7 +15,7 @@ from typing import TypeAlias
 import grpc
 
 from services.coordinator.coordinator import Coordinator
-from unicron.errors import InvalidArgument
+from unicron.errors import InvalidArgument, PermissionDenied
 from unicron.rpc import Server, grpc_errors
 from unicron.security import caller, owner_scope
 from unicron.v1 import job_service_pb2 as jobs_pb
@@ -90,9 +90,40 @@ class JobServicer(job_service_pb2_grpc.JobServiceServicer):
     async def GetCluster(self, request: jobs_pb.GetClusterRequest, context: Context) -> jobs_pb.GetClusterResponse:
         return await to_thread(self._coordinator.cluster, _scope())
 
+    @grpc_errors
+    async def StreamLogs(
+        self, request: jobs_pb.StreamLogsRequest, context: Context
+    ) -> AsyncIterator[jobs_pb.StreamLogsResponse]:
+        source = await to_thread(self._coordinator.log_source, request.job_id, request.rank, _scope())
+        async for chunk in self._coordinator.read_logs(source, request):
+            yield jobs_pb.StreamLogsResponse(chunk=chunk)
+
+    @grpc_errors
+    async def DrainNode(self, request: jobs_pb.DrainNodeRequest, context: Context) -> jobs_pb.DrainNodeResponse:
+        _admin_only("drain a node")
+        if not request.node_id:
+            raise InvalidArgument("node_id", "is required")
+        node, jobs = await to_thread(self._coordinator.drain, request.node_id)
+        return jobs_pb.DrainNodeResponse(node=node, jobs=jobs)
+
+    @grpc_errors
+    async def UncordonNode(
+        self, request: jobs_pb.UncordonNodeRequest, context: Context
+    ) -> jobs_pb.UncordonNodeResponse:
+        _admin_only("uncordon a node")
+        if not request.node_id:
+            raise InvalidArgument("node_id", "is required")
+        return jobs_pb.UncordonNodeResponse(node=await to_thread(self._coordinator.uncordon, request.node_id))
+
 
 def _scope() -> str | None:
     return owner_scope(caller())
+
+
+def _admin_only(what: str) -> None:
+    """Nodes are the cluster's, not a user's: only an admin takes them in and out."""
+    if _scope() is not None:
+        raise PermissionDenied(f"only an admin may {what}")
 
 
 class NodeServicer(node_service_pb2_grpc.NodeServiceServicer):

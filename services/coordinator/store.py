@@ -101,6 +101,9 @@ class Store(Protocol):
     def set_node_states(self, node_ids: Sequence[str], state: int, expected: int, now: float) -> list[str]:
         """Many compare-and-sets in one write; returns the nodes that changed."""
 
+    def set_node_cordoned(self, node_id: str, cordoned: bool) -> common_pb2.Node | None:
+        """Compare-and-set of a node's cordon; the node as stored, None when there is none."""
+
     # ---- commands to agents: a log per node ----------------------------------------------
     def append_command(self, node_id: str, command: node_service_pb2.NodeCommand) -> str: ...
 

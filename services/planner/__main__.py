@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from services.planner.server import Limits, PlannerServicer
 from unicron import rpc
-from unicron.config import require
+from unicron.config import require, setting
 from unicron.logs import exit_flushed
 from unicron.security import TLSConfig
 from unicron.service import run_server
@@ -17,13 +17,13 @@ from unicron.v1 import planner_service_pb2_grpc
 
 @dataclass(frozen=True)
 class PlannerConfig(TLSConfig):
-    bind: str = "127.0.0.1:50061"
-    time_limit_s: float = 2.0
-    solver_workers: int = 1
-    max_jobs: int = 4096
-    max_nodes: int = 16384
-    max_workers: int = 8
-    log_level: str = "info"
+    bind: str = setting("127.0.0.1:50061", "host:port to serve on")
+    time_limit_s: float = setting(2.0, "how long the solver searches for a plan when the request sets no limit")
+    solver_workers: int = setting(1, "CP-SAT search workers per plan (one, with a fixed seed, gives repeatable plans)")
+    max_jobs: int = setting(4096, "the most jobs one plan request may hold (more: RESOURCE_EXHAUSTED)")
+    max_nodes: int = setting(16384, "the most nodes one plan request may hold (more: RESOURCE_EXHAUSTED)")
+    max_workers: int = setting(8, "server threads: plan requests solved at once")
+    log_level: str = setting("info", "debug, info, warning or error")
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -48,6 +48,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from services.planner.estimate import DEFAULT_MFU as DEFAULT_MFU
+from services.planner.estimate import ESTIMATED_FLOPS_PER_SLOT as ESTIMATED_FLOPS_PER_SLOT
+from services.planner.estimate import GPU_PEAK_FLOPS as GPU_PEAK_FLOPS
+from services.planner.estimate import ThroughputEstimate as ThroughputEstimate
+from services.planner.estimate import modelled_flops
 from services.planner.fields import FieldError as FieldError  # the planner's error, as callers name it
 from services.planner.fields import check_bool, check_float, check_id, check_int, fail
 from services.planner.fields import field_scope as field_scope
@@ -55,18 +60,6 @@ from services.planner.fields import field_scope as field_scope
 # Horizon used when no failures are expected (rate 0) or no node is healthy: one day. Any long
 # horizon makes transition costs small next to running time, which is what a zero rate means.
 DEFAULT_HORIZON_S = 86_400.0
-
-# Throughput assumed per slot when a job has neither a profile nor an estimate: 100 TFLOP/s, a
-# rough achieved bf16 rate on A100/H100-class GPUs. Only its ratio to other jobs' throughput
-# matters, and only when such jobs compete for the same slots.
-ESTIMATED_FLOPS_PER_SLOT = 1.0e14
-
-# ThroughputEstimate defaults (see its docstring).
-GPU_PEAK_FLOPS = 989e12  # H100 SXM, dense bf16
-DEFAULT_MFU = 0.4
-DEFAULT_DP_BANDWIDTH_BYTES_PER_S = 50e9  # 400 Gb/s network per GPU (InfiniBand NDR)
-DEFAULT_EXPOSED_COMM = 0.5
-GRADIENT_BYTES_PER_PARAMETER = 4.0  # fp32 gradients, as Megatron reduces them by default
 
 STATUSES = ("OPTIMAL", "FEASIBLE", "INFEASIBLE", "UNKNOWN")
 
@@ -79,18 +72,22 @@ PlanSlots = Mapping[str, Mapping[str, int]]
 
 @dataclass(frozen=True)
 class Node:
-    """A node as the planner sees it. ``failure_domain`` is carried but not used yet."""
+    """A node as the planner sees it. ``failure_domain`` is carried but not used yet. A
+    ``drained`` node (taken out by an operator) is not healthy either; it only changes the
+    words of a reason."""
 
     node_id: str
     slots: int
     healthy: bool = True
     failure_domain: str = ""
+    drained: bool = False
 
     def __post_init__(self) -> None:
         where = f"Node({self.node_id!r})"
         check_id(where, "node_id", self.node_id)
         check_int(where, "slots", self.slots, 0)
         check_bool(where, "healthy", self.healthy)
+        check_bool(where, "drained", self.drained)
         if not isinstance(self.failure_domain, str):
             fail(where, "failure_domain", f"must be a string, got {self.failure_domain!r}")
 
@@ -129,54 +126,6 @@ class Transition:
 
 
 @dataclass(frozen=True)
-class ThroughputEstimate:
-    """T(x) estimated from the model's size when no profile was measured.
-
-    A step processes ``tokens_per_step`` tokens (global batch x sequence length) and costs
-    6 x P x tokens FLOPs for P = ``parameters`` (forward 2, backward 4 per parameter per token;
-    Kaplan et al. 2020, "Scaling laws", sec. 2.1). On x = TP x PP x DP GPUs:
-
-        compute(x) = 6 P tokens / (x * gpu_peak_flops * mfu)
-        comm(x)    = 2 (DP - 1) / DP * (4 P / (TP PP)) / dp_bandwidth_bytes_per_s
-        T(x)       = 6 P tokens / (compute(x) + exposed_comm * comm(x))
-
-    ``mfu`` (model FLOPs utilization, 0.4 by default) is what Megatron-style 3D parallelism
-    reaches at scale (PaLM reports 46%, Megatron-LM 2021 about 40-50%). ``comm`` is a ring
-    all-reduce of the fp32 gradients of one model-parallel shard (4 P / (TP PP) bytes) over each
-    GPU's share of inter-node bandwidth (Patarasuk & Yuan 2009: a ring moves 2 (n-1)/n of the
-    data per member); ``exposed_comm`` of it is not hidden behind the backward pass. The step time
-    is c0 / DP + k (DP - 1) / DP, so T grows with DP while compute dominates (sublinearly: the
-    exposed all-reduce is a floor) and shrinks monotonically when it does not, which is when
-    adding data parallelism really does not pay."""
-
-    parameters: float
-    tokens_per_step: float
-    gpu_peak_flops: float = GPU_PEAK_FLOPS
-    mfu: float = DEFAULT_MFU
-    dp_bandwidth_bytes_per_s: float = DEFAULT_DP_BANDWIDTH_BYTES_PER_S
-    exposed_comm: float = DEFAULT_EXPOSED_COMM
-
-    def __post_init__(self) -> None:
-        for name in ("parameters", "tokens_per_step", "gpu_peak_flops", "mfu", "dp_bandwidth_bytes_per_s"):
-            check_float("ThroughputEstimate", name, getattr(self, name), positive=True)
-        check_float("ThroughputEstimate", "exposed_comm", self.exposed_comm)
-        if self.mfu > 1:
-            fail("ThroughputEstimate", "mfu", f"must be at most 1, got {self.mfu!r}")
-        if self.exposed_comm > 1:
-            fail("ThroughputEstimate", "exposed_comm", f"must be at most 1, got {self.exposed_comm!r}")
-
-    def flops(self, tensor_parallel: int, pipeline_parallel: int, x: int) -> float:
-        """Estimated achieved FLOP/s on ``x`` GPUs (x a multiple of TP x PP)."""
-        unit = tensor_parallel * pipeline_parallel
-        dp = x // unit
-        work = 6.0 * self.parameters * self.tokens_per_step
-        compute = work / (x * self.gpu_peak_flops * self.mfu)
-        grad_bytes = GRADIENT_BYTES_PER_PARAMETER * self.parameters / unit
-        comm = 2.0 * (dp - 1) / dp * grad_bytes / self.dp_bandwidth_bytes_per_s
-        return work / (compute + self.exposed_comm * comm)
-
-
-@dataclass(frozen=True)
 class Job:
     """A job as the planner sees it.
 
@@ -184,8 +133,10 @@ class Job:
     at: a size the parallelism allows but the profile omits (say a DP degree that does not divide
     the global batch) is not allowed. Without a profile every size the parallelism allows is, at
     ``estimate``'s FLOP/s when given, else at ``ESTIMATED_FLOPS_PER_SLOT`` per slot; a profile
-    wins over an estimate. ``current`` is node_id -> slots held now; empty when the job is not
-    running. It may name unhealthy nodes: that is how a lost node shows up."""
+    wins over an estimate. ``measured`` (size -> FLOP/s the job achieved there) calibrates an
+    estimate (``estimate.modelled_flops``); a profile wins over it too. ``current`` is node_id
+    -> slots held now; empty when the job is not running. It may name unhealthy nodes: that
+    is how a lost node shows up."""
 
     job_id: str
     weight: float
@@ -200,6 +151,7 @@ class Job:
     pinned: bool = False
     transition: Transition = field(default_factory=Transition)
     estimate: ThroughputEstimate | None = None
+    measured: Mapping[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         where = f"Job({self.job_id!r})"
@@ -226,6 +178,10 @@ class Job:
                 check_float(where, f"throughput[{size}]", flops, positive=True)
             # A private copy: the caller's dict must not change a frozen job behind our back.
             object.__setattr__(self, "throughput", dict(self.throughput))
+        for size, flops in self.measured.items():
+            check_int(where, f"measured[{size!r}] (key)", size, 1)
+            check_float(where, f"measured[{size}]", flops, positive=True)
+        object.__setattr__(self, "measured", dict(self.measured))
         if not isinstance(self.current, Mapping):
             fail(where, "current", f"must be a mapping node_id -> slots, got {self.current!r}")
         for node_id, slots in self.current.items():
@@ -354,9 +310,7 @@ def throughput(job: Job, x: int) -> float:
         x % (job.tensor_parallel * job.pipeline_parallel) == 0
         and job.min_dp <= x // (job.tensor_parallel * job.pipeline_parallel) <= job.max_dp
     ):
-        if job.estimate is not None:
-            return job.estimate.flops(job.tensor_parallel, job.pipeline_parallel, x)
-        return ESTIMATED_FLOPS_PER_SLOT * x
+        return modelled_flops(job.estimate, job.tensor_parallel, job.pipeline_parallel, x, job.measured)
     raise ValueError(f"Job({job.job_id!r}): size {x} is not allowed {allowed_sizes(job)}")
 
 

@@ -36,6 +36,33 @@ def _unplaced_reason(jd: JobData, left: int, cap_reached: int | None) -> str:
     return f"weight {job.weight:g} earns less per slot than the jobs given the slots"
 
 
+# Sizes a reason lists at most: the smallest, the largest, and those around the chosen size.
+SIZES_SHOWN = 6
+
+
+def throughput_basis(job: domain.Job, size: int) -> str:
+    """Where T(size) comes from, in a word: the job's profile, a measurement, the model's
+    estimate, or the per-slot assumption."""
+    if job.throughput is not None:
+        return "profiled"
+    if size in job.measured:
+        return "measured"
+    if job.estimate is None:
+        return "assumed, scaled to measured" if job.measured else "assumed"
+    return "estimated from measured compute" if job.measured else "estimated"
+
+
+def throughput_text(job: domain.Job, chosen: int) -> str:
+    """The FLOP/s behind a job's size, at the sizes considered ("1: 2.1e+09 measured, ...")."""
+    sizes = domain.allowed_sizes(job)
+    if len(sizes) > SIZES_SHOWN:
+        at = min(range(len(sizes)), key=lambda i: abs(sizes[i] - chosen))
+        around = sizes[max(0, at - 2) : at + 2]
+        sizes = sorted({sizes[0], *around, sizes[-1]})
+    parts = [f"{x}: {domain.throughput(job, x):.3g} {throughput_basis(job, x)}" for x in sizes]
+    return "FLOP/s by size " + ", ".join(parts)
+
+
 def job_reasons(data: Problem, result: Mapping[str, dict[str, int]]) -> dict[str, str]:
     """A reason per job, from comparing its current and new placement."""
     used = dict.fromkeys(data.nodes, 0)
@@ -53,9 +80,12 @@ def job_reasons(data: Problem, result: Mapping[str, dict[str, int]]) -> dict[str
         job, new = jd.job, result[jd.job.job_id]
         cur, tp = dict(job.current), job.tensor_parallel
         cur_size, new_size = job.current_size, sum(new.values())
-        lost = sorted(n for n in cur if not data.nodes[n].healthy)
-        if lost:
-            cause = f"{_plural_nodes(lost)} lost"
+        lost = sorted(n for n in cur if not data.nodes[n].healthy and not data.nodes[n].drained)
+        drained = sorted(n for n in cur if data.nodes[n].drained)
+        if lost or drained:
+            cause = "; ".join(
+                f"{_plural_nodes(names)} {what}" for names, what in ((lost, "lost"), (drained, "drained")) if names
+            )
         elif job.hit_by_failure:
             cause = "hit by failure"
         else:
@@ -85,6 +115,8 @@ def job_reasons(data: Problem, result: Mapping[str, dict[str, int]]) -> dict[str
             reasons[job.job_id] = f"grown from {cur_size} to {_slots_text(new_size)} into {kind} slots{tail}"
         else:
             reasons[job.job_id] = f"moved: {cause}" if cause else "moved"
+        if new_size != cur_size or not cur:
+            reasons[job.job_id] += f" ({throughput_text(job, new_size)})"
     return reasons
 
 

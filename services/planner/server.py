@@ -68,6 +68,7 @@ def _job_from_proto(j: pb.PlanJob, path: str) -> domain.Job:
             max_dp=j.max_data_parallel,
             throughput=dict(j.throughput) or None,
             estimate=estimate,
+            measured=dict(j.measured_throughput),
             current=dict(j.current),
             hit_by_failure=j.hit_by_failure,
             preemptible=j.preemptible,
@@ -98,7 +99,13 @@ def request_from_proto(message: pb.PlanRequest, limits: Limits) -> domain.PlanRe
         for i, n in enumerate(message.nodes):
             with domain.field_scope(f"request.nodes[{i}]"):
                 nodes.append(
-                    domain.Node(node_id=n.node_id, slots=n.slots, healthy=n.healthy, failure_domain=n.failure_domain)
+                    domain.Node(
+                        node_id=n.node_id,
+                        slots=n.slots,
+                        healthy=n.healthy,
+                        failure_domain=n.failure_domain,
+                        drained=n.drained,
+                    )
                 )
         jobs = [_job_from_proto(j, f"request.jobs[{i}]") for i, j in enumerate(message.jobs)]
         with domain.field_scope("request"):

@@ -84,9 +84,18 @@ def trains_on(client: UnicronClient, name: str, timeout_s: float = 120) -> commo
 
 
 def newest_incident(client: UnicronClient, name: str, after: set[str]) -> common_pb2.Incident:
+    """The newest incident not in `after`, other than a straggler finding: the cross-node
+    monitor may flag a rank slowed by its node's warm spare starting (a finding recorded
+    without a remedy), which is not the fault a test injected."""
     job_id = client.get(name).job_id
     deadline = time.monotonic() + 60
-    while not (fresh := [i for i in client.incidents(job_id) if i.incident_id not in after]):
+    while not (
+        fresh := [
+            i
+            for i in client.incidents(job_id)
+            if i.incident_id not in after and i.kind != common_pb2.FAILURE_KIND_STRAGGLER
+        ]
+    ):
         assert time.monotonic() < deadline, f"{name}: no new incident"
         time.sleep(0.2)
     return fresh[-1]

@@ -121,18 +121,19 @@ def seed_cluster(plane: Plane) -> dict[str, str]:
             timeout=10,
         )
     first = running.assignment.workers[0].node_id
-    nodes.ReportProgress(
-        node_service_pb2.ReportProgressRequest(
-            node_id=first,
-            reports=[
-                node_service_pb2.IterationReport(
-                    job_id=running.job_id, generation=generation, rank=rank, iteration=1, loss=5.0, seconds=0.1
-                )
-                for rank in range(running.assignment.world_size)
-            ],
-        ),
-        timeout=10,
-    )
+    for worker in running.assignment.workers:  # each node reports its own ranks (only it may)
+        nodes.ReportProgress(
+            node_service_pb2.ReportProgressRequest(
+                node_id=worker.node_id,
+                reports=[
+                    node_service_pb2.IterationReport(
+                        job_id=running.job_id, generation=generation, rank=rank, iteration=1, loss=5.0, seconds=0.1
+                    )
+                    for rank in worker.ranks
+                ],
+            ),
+            timeout=10,
+        )
     done = jobs.SubmitJob(job_service_pb2.SubmitJobRequest(spec=tiny_spec("fuzz-done", data=1)), timeout=10).job
     jobs.CancelJob(job_service_pb2.CancelJobRequest(job_id=done.job_id, reason="seeded"), timeout=10)
     straggler = common_pb2.FailureReport(
@@ -179,8 +180,18 @@ def coordinator_target(redis_server: LocalRedis) -> Iterator[harness.Target]:
             keyspace,
             keyspace.snapshot(),
             read_only=frozenset(
-                {"GetJob", "ListJobs", "WatchJob", "ListNodes", "ListIncidents", "GetCluster", "StreamCommands"}
+                {
+                    "GetJob",
+                    "ListJobs",
+                    "WatchJob",
+                    "ListNodes",
+                    "ListIncidents",
+                    "GetCluster",
+                    "StreamCommands",
+                    "StreamLogs",
+                }
             ),
+            reaches_nodes=frozenset({"StreamLogs"}),
         )
         channel.close()
         assert not plane.lease_lost, plane.lease_lost

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from tests.fuzz import harness
 from tests.fuzz.strategies import requests, resolve, token
 from tests.integration.test_job_api import tiny_spec
-from unicron.v1 import common_pb2, job_service_pb2, node_service_pb2
+from unicron.v1 import common_pb2, job_service_pb2, logs_pb2, node_service_pb2
 
 pytestmark = [pytest.mark.integration, pytest.mark.fuzz]
 
@@ -20,7 +20,7 @@ RPCS = harness.catalog(job_service_pb2, node_service_pb2)
 JOBS = "/unicron.v1.JobService/"
 NODES = "/unicron.v1.NodeService/"
 
-J, N, C = job_service_pb2, node_service_pb2, common_pb2
+J, N, C, L = job_service_pb2, node_service_pb2, common_pb2, logs_pb2
 
 
 def _report(**fields: object) -> N.IterationReport:
@@ -50,6 +50,12 @@ SEEDS: dict[str, list[Message]] = {
         ),
     ],
     JOBS + "GetCluster": [J.GetClusterRequest()],
+    JOBS + "StreamLogs": [
+        J.StreamLogsRequest(job_id=token("job"), rank=1, tail_lines=5),
+        J.StreamLogsRequest(job_id=token("done_job"), follow=True, streams=[L.LOG_STREAM_STDERR]),
+    ],
+    JOBS + "DrainNode": [J.DrainNodeRequest(node_id=token("node"))],
+    JOBS + "UncordonNode": [J.UncordonNodeRequest(node_id=token("node"))],
     NODES + "RegisterNode": [N.RegisterNodeRequest(node_id="n3", address="127.0.0.1:7003", slots=2)],
     NODES + "Heartbeat": [N.HeartbeatRequest(node_id=token("node"))],
     NODES + "StreamHeartbeats": [N.StreamHeartbeatsRequest(node_id=token("node"))],
@@ -179,6 +185,9 @@ ADVERSARIAL: list[tuple[str, Message]] = [
     (JOBS + "WatchJob", J.WatchJobRequest(job_id=token("job") + ":events")),
     (JOBS + "ListJobs", J.ListJobsRequest(states=[-1, 999, C.JOB_STATE_RUNNING, C.JOB_STATE_RUNNING])),  # type: ignore[list-item]
     (JOBS + "ListIncidents", J.ListIncidentsRequest(job_id="*")),
+    (JOBS + "DrainNode", J.DrainNodeRequest(node_id="n9")),
+    (JOBS + "DrainNode", J.DrainNodeRequest(node_id="n1:heartbeat")),
+    (JOBS + "UncordonNode", J.UncordonNodeRequest(node_id="../n1")),
     (JOBS + "InjectFault", J.InjectFaultRequest(job_id=token("job"), fault=C.Fault(kind=99))),  # type: ignore[arg-type]
     (JOBS + "InjectFault", J.InjectFaultRequest(job_id=token("job"), fault=C.Fault(kind=C.FAULT_KIND_CRASH, rank=7))),
     (

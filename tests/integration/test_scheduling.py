@@ -59,20 +59,29 @@ def test_pending_job_is_placed_across_nodes_and_agents_get_start_commands(contro
         assert command.command_id
 
 
-def _report(stub: Any, job_id: str, iteration: int, loss: float) -> None:
-    reports = [
-        node_service_pb2.IterationReport(
-            job_id=job_id, generation=1, rank=rank, iteration=iteration, loss=loss, seconds=0.5, tokens=64, flops=1e9
-        )
-        for rank in range(4)
-    ]
-    stub.ReportProgress(node_service_pb2.ReportProgressRequest(node_id="n1", reports=reports), timeout=5)
+def _report(stub: Any, job: common_pb2.Job, iteration: int, loss: float) -> None:
+    """An iteration of every rank, each reported by the node it runs on (only that node may)."""
+    for worker in job.assignment.workers:
+        reports = [
+            node_service_pb2.IterationReport(
+                job_id=job.job_id,
+                generation=1,
+                rank=rank,
+                iteration=iteration,
+                loss=loss,
+                seconds=0.5,
+                tokens=64,
+                flops=1e9,
+            )
+            for rank in worker.ranks
+        ]
+        stub.ReportProgress(node_service_pb2.ReportProgressRequest(node_id=worker.node_id, reports=reports), timeout=5)
 
 
 def test_a_clean_exit_before_the_last_iteration_fails_the_job_once(control_plane: ControlPlane) -> None:
     job, _ = scheduled_job(control_plane)
     stub = control_plane.node_stub()
-    _report(stub, job.job_id, 1, 4.0)
+    _report(stub, job, 1, 4.0)
     worker = job.assignment.workers[0]
     stub.ReportWorkerExit(
         node_service_pb2.ReportWorkerExitRequest(
@@ -93,32 +102,14 @@ def test_progress_then_clean_exits_succeed_the_job(control_plane: ControlPlane) 
     job, _ = scheduled_job(control_plane)
     stub = control_plane.node_stub()
     for iteration, loss in ((1, 4.0), (2, 3.5)):
-        stub.ReportProgress(
-            node_service_pb2.ReportProgressRequest(
-                node_id="n1",
-                reports=[
-                    node_service_pb2.IterationReport(
-                        job_id=job.job_id,
-                        generation=1,
-                        rank=rank,
-                        iteration=iteration,
-                        loss=loss,
-                        seconds=0.5,
-                        tokens=64,
-                        flops=1e9,
-                    )
-                    for rank in range(4)
-                ],
-            ),
-            timeout=5,
-        )
+        _report(stub, job, iteration, loss)
     with control_plane.client() as client:
         running = client.get(job.job_id)
         assert running.state == common_pb2.JOB_STATE_RUNNING
         assert running.progress.iteration == 2 and running.progress.loss == pytest.approx(3.5)
         assert running.progress.tokens == 128
         assert running.progress.flops_per_second == pytest.approx(2e9)
-        _report(stub, job.job_id, 3, 3.0)  # the last of the spec's 3 iterations
+        _report(stub, job, 3, 3.0)  # the last of the spec's 3 iterations
         for worker in job.assignment.workers:
             for rank in worker.ranks:
                 stub.ReportWorkerExit(

@@ -265,14 +265,12 @@ def test_the_planner_admits_only_services(plane: SecurePlane) -> None:
     assert plan(as_user(plane.pki, "root")) == grpc.StatusCode.UNAUTHENTICATED  # no tokens valid here
 
 
-def test_a_call_without_a_deadline_is_refused(plane: SecurePlane) -> None:
+def test_a_call_without_a_deadline_is_served_under_the_default(plane: SecurePlane) -> None:
+    """grpcurl and most generated stubs set no deadline: served, not refused."""
     raw = grpc.secure_channel(plane.address, as_user(plane.pki, "alice").credentials())  # no default timeout
     stub = job_service_pb2_grpc.JobServiceStub(raw)
     metadata = [("authorization", f"Bearer {plane.pki.tokens['alice']}")]
-    with pytest.raises(grpc.RpcError) as refused:
-        stub.ListJobs(job_service_pb2.ListJobsRequest(), metadata=metadata)
-    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "deadline" in (refused.value.details() or "")
+    assert stub.ListJobs(job_service_pb2.ListJobsRequest(), metadata=metadata) is not None
     assert stub.ListJobs(job_service_pb2.ListJobsRequest(), metadata=metadata, timeout=5) is not None
     raw.close()
 

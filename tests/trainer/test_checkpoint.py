@@ -149,7 +149,7 @@ def test_resume_from_checkpoint_is_exact(world1: None, tmp_path: Path) -> None:
     try:
         assert checkpoint.restore(first, root) == checkpoint.Restored(checkpoint.SOURCE_FRESH, 0)
         losses = [first.step().loss for _ in range(3)]
-        assert checkpoint.save(first, root)
+        assert checkpoint.save(first, root) == ""
     finally:
         first.close()
     assert checkpoint.list_complete(root) == [3]
@@ -161,7 +161,7 @@ def test_resume_from_checkpoint_is_exact(world1: None, tmp_path: Path) -> None:
         results = [second.step() for _ in range(3)]
         losses += [r.loss for r in results]
         assert [r.iteration for r in results] == [4, 5, 6]
-        assert checkpoint.save(second, root)
+        assert checkpoint.save(second, root) == ""
         resumed_params = _params(second)
     finally:
         second.close()

@@ -33,7 +33,7 @@ def _run_until(steps: int, snaps: Path, ckpt: Path, checkpoint_at: int, every: i
         for _ in range(steps):
             losses.append(trainer.step().loss)
             if trainer.iteration == checkpoint_at:
-                assert checkpoint.save(trainer, ckpt)
+                assert checkpoint.save(trainer, ckpt) == ""
             writer.after_iteration(trainer)
             writer.wait()
     finally:

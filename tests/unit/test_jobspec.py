@@ -144,3 +144,84 @@ def test_a_profile_names_the_degrees_that_must_split_the_batch() -> None:
         jobspec.normalized(spec)
     with pytest.raises(InvalidArgument, match=r"1 x 11"):
         jobspec.normalized(_large(9, 12, batch=2520))
+
+
+# YAML 1.1 (PyYAML's safe_load) reads a float only with a dot and a signed exponent; a spec
+# is read with YAML 1.2's floats as well.
+@pytest.mark.parametrize(
+    ("written", "value"),
+    [
+        ("1.0e9", 1.0e9),
+        ("1e9", 1.0e9),
+        ("1E+9", 1.0e9),
+        ("1.5e+12", 1.5e12),
+        ("2.5e-3", 2.5e-3),
+        (".5e3", 500.0),
+        ("4_000e6", 4.0e9),
+        ("1000", 1000.0),
+        ("123.5", 123.5),
+    ],
+)
+def test_yaml_numbers_read_as_numbers(tmp_path: Path, written: str, value: float) -> None:
+    file = tmp_path / "spec.yaml"
+    file.write_text(f"throughput: {{1: {written}}}\nweight: {written}\ntraining: {{learning_rate: {written}}}\n")
+    spec = jobspec.load_spec_file(file)
+    assert spec.throughput[1] == spec.weight == spec.training.learning_rate == value
+
+
+@pytest.mark.parametrize(
+    ("written", "text"),
+    [
+        ('"1e9"', "1e9"),  # quoted: a string
+        ("1e9", "1e9"),  # a number, but where a string is expected it reads as written
+        ("-2.5e-3", "-2.5e-3"),
+        ("3e4567", "3e4567"),  # a hash prefix, not an overflowed number
+        ("1.10", "1.10"),
+        ("1.2.3", "1.2.3"),
+        ("e9", "e9"),
+        ("1e", "1e"),
+    ],
+)
+def test_strings_stay_as_written(tmp_path: Path, written: str, text: str) -> None:
+    file = tmp_path / "spec.yaml"
+    file.write_text(
+        f"program: {{image: {written}, args: [--x, {written}], env: {{X: {written}}}}}\n"
+        f"data: {{options: {{x: {written}}}}}\n"
+    )
+    spec = jobspec.load_spec_file(file)
+    assert spec.program.image == spec.program.args[1] == spec.program.env["X"] == spec.data.options["x"] == text
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "field"),
+    [
+        ("throughput: {1: 1.0e9x}", "throughput[1]"),
+        ("throughput: {1: '1e9'}", "throughput[1]"),  # quoted: a string, not a number
+        ("weight: 1e", "weight"),
+        ("weight: 1.0.0", "weight"),
+        ("training: {iterations: 1e3}", "training.iterations"),  # a float is no integer
+        ("parallelism: {data: 2.5}", "parallelism.data"),
+    ],
+)
+def test_bad_yaml_numbers_name_the_field(tmp_path: Path, yaml_text: str, field: str) -> None:
+    file = tmp_path / "spec.yaml"
+    file.write_text(yaml_text + "\n")
+    with pytest.raises(InvalidArgument) as error:
+        jobspec.load_spec_file(file)
+    assert error.value.field == field
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "field"),
+    [
+        ("weight: 3e4567", "spec.weight"),  # inf
+        ("throughput: {4: -1e9}", "spec.throughput[4]"),
+        ("estimate: {parameters: -1e9}", "spec.estimate.parameters"),
+    ],
+)
+def test_numbers_out_of_range_are_refused_by_validation(tmp_path: Path, yaml_text: str, field: str) -> None:
+    file = tmp_path / "spec.yaml"
+    file.write_text(EXAMPLE.read_text() + "\n" + yaml_text + "\n")
+    with pytest.raises(InvalidArgument) as error:
+        jobspec.normalized(jobspec.load_spec_file(file))
+    assert error.value.field == field

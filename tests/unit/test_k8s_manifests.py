@@ -23,6 +23,10 @@ K8S = ROOT / "deploy" / "k8s"
 VERSIONS = ("1.30.0", "1.37.0")
 CLUSTER_SCOPED = {"Namespace", "PersistentVolume", "ClusterRole", "ClusterRoleBinding", "StorageClass"}
 WORKLOADS = {"Deployment", "StatefulSet", "DaemonSet"}
+# What holds a pod template: the workloads, and the Job that makes the certificates.
+POD_HOLDERS = WORKLOADS | {"Job"}
+SERVICES = ("coordinator", "planner", "agent")
+HEALTH = ["python", "/usr/local/lib/unicron/health.py"]
 SUPPORTED = {"apiVersion", "kind", "namespace", "labels", "images", "resources"}
 
 Object = dict[str, Any]
@@ -56,6 +60,9 @@ def _label(obj: Object, pairs: dict[str, str], selectors: bool) -> None:
     spec = obj.get("spec", {})
     if obj["kind"] == "Service":
         spec.setdefault("selector", {}).update(pairs)
+    if obj["kind"] == "Job":
+        # A Job's selector is made by the API server; kustomize labels its pods only.
+        spec["template"]["metadata"].setdefault("labels", {}).update(pairs)
     if obj["kind"] in WORKLOADS:
         spec["selector"].setdefault("matchLabels", {}).update(pairs)
         spec["template"]["metadata"].setdefault("labels", {}).update(pairs)
@@ -71,7 +78,7 @@ def _label(obj: Object, pairs: dict[str, str], selectors: bool) -> None:
 
 
 def _containers(obj: Object) -> list[Object]:
-    if obj["kind"] not in WORKLOADS:
+    if obj["kind"] not in POD_HOLDERS:
         return []
     pod = obj["spec"]["template"]["spec"]
     return list(pod.get("initContainers", [])) + list(pod["containers"])
@@ -129,33 +136,100 @@ def _env(workload: Object) -> dict[str, str]:
 
 def test_every_container_is_probed_limited_and_locked_down(objects: list[Object]) -> None:
     for obj in objects:
-        if obj["kind"] not in WORKLOADS:
+        if obj["kind"] not in POD_HOLDERS:
             continue
         name = obj["metadata"]["name"]
         pod = obj["spec"]["template"]["spec"]
         assert pod["securityContext"]["runAsNonRoot"] is True, name
         assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, name
-        for container in pod["containers"]:
-            assert "readinessProbe" in container and "livenessProbe" in container, name
+        for container in _containers(obj):
             assert {"cpu", "memory"} <= set(container["resources"]["requests"]), name
             context = container["securityContext"]
             assert context["allowPrivilegeEscalation"] is False, name
             assert context["readOnlyRootFilesystem"] is True, name
             assert context["capabilities"]["drop"] == ["ALL"], name
-            if container["image"].startswith("unicron:"):
-                # gRPC readiness on the port the service binds.
+        for container in pod["containers"] if obj["kind"] != "Job" else []:
+            assert "readinessProbe" in container and "livenessProbe" in container, name
+            if _service(container):
+                # Readiness by health.py, over the service's own TLS (Kubernetes' gRPC probe
+                # speaks plaintext only), on the port the service binds.
+                assert container["readinessProbe"]["exec"]["command"] == HEALTH, name
                 port = container["ports"][0]["containerPort"]
-                assert container["readinessProbe"]["grpc"]["port"] == port, name
                 assert _env(obj)[f"UNICRON_{container['args'][0].upper()}_BIND"].endswith(f":{port}"), name
+
+
+def _service(container: Object) -> str:
+    """The Unicron service a container runs ("" for anything else: init steps, others' images)."""
+    args = container.get("args") or [""]
+    unicron = container["image"].startswith("unicron:") and "command" not in container
+    return str(args[0]) if unicron and args[0] in SERVICES else ""
+
+
+def test_every_service_runs_mutual_tls_by_default(objects: list[Object]) -> None:
+    """No plaintext unless asked for: every Unicron service has a CA, a certificate and a key,
+    each a file some volume of its pod provides; the coordinator checks tokens."""
+    seen = set()
+    for obj in objects:
+        for container in _containers(obj):
+            service = _service(container)
+            if not service:
+                continue
+            seen.add(service)
+            env = {item["name"]: item.get("value", "") for item in container.get("env", [])}
+            prefix = f"UNICRON_{service.upper()}_"
+            assert env.get(f"{prefix}PLAINTEXT", "false").lower() in ("", "0", "false"), service
+            mounts = [m["mountPath"] for m in container.get("volumeMounts", [])]
+            for setting in ("TLS_CA", "TLS_CERT", "TLS_KEY"):
+                path = env[f"{prefix}{setting}"]
+                assert any(path == m or path.startswith(m.rstrip("/") + "/") for m in mounts), (service, path)
+            assert "--plaintext" not in container["args"], service
+    assert seen == set(SERVICES)
+    coordinator = by_kind(objects, "Deployment")["coordinator"]
+    assert _env(coordinator)["UNICRON_COORDINATOR_TOKENS_FILE"].endswith("tokens.yaml")
+
+
+def test_the_certificates_are_made_by_an_init_step(objects: list[Object]) -> None:
+    job = by_kind(objects, "Job")["certs"]["spec"]["template"]["spec"]
+    (maker,) = job["containers"]
+    assert maker["args"][:2] == ["certs", "/var/lib/unicron/pki/unicron"]
+    hosts = maker["args"][maker["args"].index("--hosts") + 1].split(",")
+    assert {"coordinator", "planner"} <= set(hosts)  # the names the agents and coordinator dial
+    assert by_kind(objects, "PersistentVolumeClaim")["pki"]["spec"]["accessModes"] == ["ReadWriteMany"]
+    # Each agent issues its own node certificate from the CA; its agent sees no CA key.
+    agent = by_kind(objects, "DaemonSet")["agent"]["spec"]["template"]["spec"]
+    (issuer,) = agent["initContainers"]
+    assert issuer["args"][0] == "certs" and "$(NODE_NAME)" in issuer["args"]
+    assert {e["name"]: e.get("value") for e in issuer["env"]}["UNICRON_CA_FROM"].startswith("/var/lib/unicron/pki")
+    (main,) = agent["containers"]
+    assert "pki" not in {m["name"] for m in main["volumeMounts"]}
+    # The services wait for theirs.
+    for name in ("coordinator", "planner"):
+        pod = by_kind(objects, "Deployment")[name]["spec"]["template"]["spec"]
+        assert [c["name"] for c in pod["initContainers"]] == ["wait-for-certs"], name
+
+
+def test_the_agent_runs_the_gpu_image_and_holds_the_gpus(objects: list[Object]) -> None:
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    gpu = next(i for i in kustomization["images"] if i["name"] == "unicron-gpu")
+    assert re.fullmatch(r"\d+\.\d+\.\d+-cu\d+", gpu["newTag"]), gpu
+    pod = by_kind(objects, "DaemonSet")["agent"]["spec"]["template"]["spec"]
+    (agent,) = pod["containers"]
+    assert agent["image"] == f"{gpu.get('newName', 'unicron')}:{gpu['newTag']}"
+    resources = agent["resources"]
+    assert resources["requests"]["nvidia.com/gpu"] == resources["limits"]["nvidia.com/gpu"] > 0
+    assert (
+        str(resources["limits"]["nvidia.com/gpu"])
+        == _env(by_kind(objects, "DaemonSet")["agent"])["UNICRON_AGENT_SLOTS"]
+    )
 
 
 def test_unicron_containers_set_what_the_entrypoint_requires(objects: list[Object]) -> None:
     entrypoint = (ROOT / "deploy" / "entrypoint.sh").read_text()
     for obj in objects:
         for container in _containers(obj):
-            if not container["image"].startswith("unicron:"):
+            service = _service(container)
+            if not service:
                 continue
-            service = container["args"][0]
             block = entrypoint.split(f"\n{service})\n", 1)[1].split(";;", 1)[0]
             required = re.findall(r"need (\w+) ", block)
             assert required, service

@@ -30,7 +30,7 @@ from unicron.security import (
     caller,
     caller_key,
     certificate_principal,
-    deadline_problem,
+    default_budget,
     owner_scope,
     rule_for,
     worker_name,
@@ -82,6 +82,8 @@ HEARTBEAT = "/unicron.v1.NodeService/Heartbeat"
 SUBMIT = "/unicron.v1.JobService/SubmitJob"
 PLAN = "/unicron.v1.PlannerService/Plan"
 CONNECT = "/unicron.v1.TrainerAgentService/Connect"
+READ_LOGS = "/unicron.v1.AgentLogService/ReadLogs"
+STREAM_LOGS = "/unicron.v1.JobService/StreamLogs"
 WORKER = Principal(Kind.WORKER, worker_name("job-1", 1, 0))
 
 
@@ -104,6 +106,12 @@ WORKER = Principal(Kind.WORKER, worker_name("job-1", 1, 0))
         (ALICE, PLAN, None, False),
         (WORKER, CONNECT, None, True),
         (N1, CONNECT, None, False),
+        (COORDINATOR, READ_LOGS, None, True),  # an agent's trainers' output: the coordinator's alone
+        (ROOT, READ_LOGS, None, False),
+        (N1, READ_LOGS, None, False),
+        (WORKER, READ_LOGS, None, False),
+        (ALICE, STREAM_LOGS, None, True),  # users read it through the coordinator
+        (COORDINATOR, STREAM_LOGS, None, False),
         (ALICE, "/grpc.health.v1.Health/Check", None, True),
         (ROOT, "/unicron.v1.Unknown/Method", None, False),  # not in the policy: nobody
         (TRUSTED, "/unicron.v1.Unknown/Method", None, True),  # authentication off
@@ -120,9 +128,9 @@ def test_authorize(principal: Principal, method: str, request_: Any, allowed: bo
 
 
 def test_every_rpc_of_every_service_has_a_rule() -> None:
-    from unicron.v1 import job_service_pb2, planner_service_pb2, trainer_service_pb2
+    from unicron.v1 import agent_service_pb2, job_service_pb2, planner_service_pb2, trainer_service_pb2
 
-    for module in (job_service_pb2, node_service_pb2, planner_service_pb2, trainer_service_pb2):
+    for module in (agent_service_pb2, job_service_pb2, node_service_pb2, planner_service_pb2, trainer_service_pb2):
         for service in module.DESCRIPTOR.services_by_name.values():
             for method in service.methods:
                 assert rule_for(POLICY, f"/{service.full_name}/{method.name}") is not None, method.full_name
@@ -194,10 +202,19 @@ def test_worker_tokens_prove_one_job_generation_and_rank() -> None:
 
 
 @pytest.mark.parametrize(
-    ("remaining", "refused"), [(None, True), (1e9, True), (3601, True), (30, False), (0.001, False)]
+    ("remaining", "default", "budget"),
+    [
+        (None, 60.0, 60.0),  # no deadline: the server's default
+        (1e9, 60.0, 60.0),  # gRPC's "none" is a deadline decades away
+        (3601, 60.0, 60.0),
+        (3600, 60.0, None),  # the call's own deadline governs, even a long one
+        (30, 60.0, None),
+        (0.001, 60.0, None),
+        (None, None, None),  # no default: as long as it takes
+    ],
 )
-def test_deadline_problem(remaining: float | None, refused: bool) -> None:
-    assert (deadline_problem(remaining) is not None) == refused
+def test_default_budget(remaining: float | None, default: float | None, budget: float | None) -> None:
+    assert default_budget(remaining, default) == budget
 
 
 def test_stream_gate_caps_per_caller_and_in_all() -> None:

@@ -51,12 +51,13 @@ from unicron.security.identity import (
     worker_name,
 )
 from unicron.security.limits import (
+    DEFAULT_DEADLINE_S,
     DEFAULT_MAX_MESSAGE_BYTES,
     MAX_DEADLINE_S,
     Limits,
     StreamGate,
     caller_key,
-    deadline_problem,
+    default_budget,
 )
 from unicron.security.policy import POLICY, PUBLIC, Rule, authorize, owner_scope, rule_for
 from unicron.security.settings import TLSConfig, server_security
@@ -65,6 +66,7 @@ from unicron.security.tls import TLS, load_tls, read_pem
 __all__ = [
     "AUTH_METADATA",
     "BEARER",
+    "DEFAULT_DEADLINE_S",
     "DEFAULT_MAX_MESSAGE_BYTES",
     "MAX_DEADLINE_S",
     "POLICY",
@@ -95,7 +97,7 @@ __all__ = [
     "caller_key",
     "certificate_principal",
     "client_interceptor",
-    "deadline_problem",
+    "default_budget",
     "load_tls",
     "new_token",
     "owner_scope",

@@ -3,7 +3,9 @@ authenticates, authorizes and limits every call before its servicer runs."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -13,7 +15,7 @@ import grpc
 from unicron.errors import InvalidArgument, PermissionDenied, ResourceExhausted, Unauthenticated, UnicronError
 from unicron.ratelimit import KeyedLimiter
 from unicron.security.identity import TRUSTED, Kind, Principal, TokenLookup, authenticate, bearer_token, current_caller
-from unicron.security.limits import Limits, StreamGate, caller_key, deadline_problem
+from unicron.security.limits import Limits, StreamGate, caller_key, default_budget
 from unicron.security.policy import POLICY, Rule, authorize, rule_for
 from unicron.security.tls import TLS
 
@@ -93,10 +95,6 @@ class _Admission:
     def admit(self, method: str, rule: Rule | None, request: Any, context: Any, *, unary: bool) -> Principal:
         principal = TRUSTED
         try:
-            if unary and self.limits.require_deadline:
-                problem = deadline_problem(context.time_remaining())
-                if problem is not None:
-                    raise InvalidArgument("deadline", problem.removeprefix("deadline: "))
             authenticator = self.security.authenticator
             if authenticator is not None:
                 principal = authenticator(bearer_token(context.invocation_metadata()), _common_name(context))
@@ -112,6 +110,10 @@ class _Admission:
         # its stream, and nothing else.
         current_caller.set(principal)
         return principal
+
+    def budget(self, context: Any) -> float | None:
+        """The server's default deadline for a unary call that set none, else None."""
+        return default_budget(context.time_remaining(), self.limits.default_deadline_s)
 
     def admit_message(self, method: str, rule: Rule | None, principal: Principal, request: Any, context: Any) -> None:
         """A later message of an admitted client stream: the policy for what it names (a node
@@ -194,7 +196,14 @@ class Guard(grpc.ServerInterceptor):
 
             def unary_unary(request: Any, context: grpc.ServicerContext) -> Any:
                 admit(request, context, True)
-                return behavior(request, context)
+                budget = admission.budget(context)
+                started = time.monotonic()
+                reply = behavior(request, context)
+                # A thread cannot be stopped midway: a call that set no deadline and ran past
+                # the default gets what a client's own deadline would have given it.
+                if budget is not None and time.monotonic() - started > budget:
+                    context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, _past_default(budget))
+                return reply
 
             return grpc.unary_unary_rpc_method_handler(
                 unary_unary, handler.request_deserializer, handler.response_serializer
@@ -262,7 +271,13 @@ class AsyncGuard(grpc.aio.ServerInterceptor):
                     admission.admit(method, rule, request, context, unary=True)
                 except Refusal as refusal:
                     await context.abort(refusal.code, refusal.details)
-                return await behavior(request, context)
+                budget = admission.budget(context)
+                if budget is None:
+                    return await behavior(request, context)
+                try:
+                    return await asyncio.wait_for(behavior(request, context), budget)
+                except TimeoutError:
+                    await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, _past_default(budget))
 
             return grpc.unary_unary_rpc_method_handler(unary_unary, deserialize, handler.response_serializer)
         if handler.stream_stream is not None:
@@ -360,6 +375,10 @@ _REFUSAL_CODES: dict[type[UnicronError], grpc.StatusCode] = {
     PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
+
+
+def _past_default(budget: float) -> str:
+    return f"the call set no deadline and ran past the server's default of {budget:g} s; set a deadline"
 
 
 def _common_name(context: Any) -> str | None:

@@ -15,8 +15,11 @@ log = logging.getLogger(__name__)
 
 
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
-# A unary call with no deadline (gRPC reports one decades away) or one longer than this is
-# refused: a forgotten timeout on a client must show at once, not as a thread held forever.
+# Most generic clients (grpcurl, a plain generated stub) set no deadline: such a unary call is
+# served as if it had set this one, so that a forgotten timeout never holds the server's work
+# forever, and the client is served rather than refused. A deadline further off than
+# MAX_DEADLINE_S (gRPC reports "none" as one decades away) counts as none.
+DEFAULT_DEADLINE_S = 60.0
 MAX_DEADLINE_S = 3600.0
 
 
@@ -34,7 +37,9 @@ class Limits:
     # one; on an asyncio server the server's own bound (unicron.rpc.ASYNC_MAX_STREAMS).
     streams_per_caller: int = 8
     max_streams: int | None = None
-    require_deadline: bool = True
+    # What a unary call without a deadline may run for; None: as long as it takes (only for
+    # in-process servers in tests).
+    default_deadline_s: float | None = DEFAULT_DEADLINE_S
 
 
 class StreamGate:
@@ -77,8 +82,9 @@ def caller_key(principal: Principal, peer: str, rule: Rule | None, request: Any)
     return f"{principal.kind}@{peer}"
 
 
-def deadline_problem(time_remaining: float | None) -> str | None:
-    """Why a unary call's deadline is refused, or None when it is fine."""
-    if time_remaining is None or time_remaining > MAX_DEADLINE_S:
-        return f"deadline: every call must set one (at most {MAX_DEADLINE_S:g} s)"
-    return None
+def default_budget(time_remaining: float | None, default_s: float | None) -> float | None:
+    """The seconds a server gives a unary call that set no deadline of its own (the default),
+    or None when the call's own deadline governs (or no default applies)."""
+    if time_remaining is not None and time_remaining <= MAX_DEADLINE_S:
+        return None
+    return default_s

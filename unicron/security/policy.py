@@ -38,6 +38,10 @@ POLICY: Mapping[str, Rule] = {
     "/unicron.v1.PlannerService/": Rule(frozenset({Kind.SERVICE})),
     # The hello names the job, generation and rank: TrainerLink checks it against the token.
     "/unicron.v1.TrainerAgentService/": Rule(frozenset({Kind.WORKER})),
+    # The agent serves its trainers' output to the coordinator alone (the agent admits no
+    # service certificate but the coordinator's); users go through JobService.StreamLogs,
+    # which checks that the job is theirs.
+    "/unicron.v1.AgentLogService/": Rule(frozenset({Kind.SERVICE})),
     "/grpc.health.v1.Health/": PUBLIC,
     "/grpc.reflection.v1alpha.ServerReflection/": PUBLIC,
     "/grpc.reflection.v1.ServerReflection/": PUBLIC,

@@ -7,7 +7,7 @@ import logging
 import os
 from dataclasses import dataclass
 
-from unicron.config import require
+from unicron.config import require, setting
 from unicron.security.client import ClientSecurity
 from unicron.security.guard import ServerSecurity, token_authenticator
 from unicron.security.identity import Principal, TokenLookup
@@ -21,17 +21,18 @@ log = logging.getLogger(__name__)
 class TLSConfig:
     """The settings every service shares (its config dataclass inherits them)."""
 
-    # The cluster CA, and this process's certificate and key (serving and calling).
-    tls_ca: str = ""
-    tls_cert: str = ""
-    tls_key: str = ""
-    # No TLS at all: only when asked for, and said loudly at start.
-    plaintext: bool = False
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-    # Calls per second (and burst) one caller may make; streams one caller may hold open.
-    rate_limit_per_s: float = 200.0
-    rate_limit_burst: float = 400.0
-    max_streams_per_caller: int = 8
+    tls_ca: str = setting("", "the cluster CA certificate (PEM) that callers' and servers' certificates must chain to")
+    tls_cert: str = setting("", "this process's certificate (PEM), for serving and for calling other services")
+    tls_key: str = setting("", "the private key (PEM) of --tls-cert")
+    plaintext: bool = setting(False, "no TLS at all (only when asked for; said loudly at start)")
+    max_message_bytes: int = setting(
+        DEFAULT_MAX_MESSAGE_BYTES, "the largest gRPC message this process accepts or sends, in bytes"
+    )
+    rate_limit_per_s: float = setting(
+        200.0, "calls per second one caller (a user, node or worker; an anonymous connection) may make"
+    )
+    rate_limit_burst: float = setting(400.0, "calls one caller may make in a burst, above its rate")
+    max_streams_per_caller: int = setting(8, "streams one caller may hold open at once")
 
     def __post_init__(self) -> None:
         if not self.plaintext:

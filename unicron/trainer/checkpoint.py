@@ -305,10 +305,10 @@ def flag_device() -> torch.device:
     return torch.device("cpu")
 
 
-def save(trainer: Trainer, root: str | Path) -> bool:
-    """Collective: every rank of the job calls it after the same iteration. Returns whether the
-    checkpoint became complete (known on global rank 0; other ranks return True once their
-    part is done). A failure to write is logged, never raised: training goes on."""
+def save(trainer: Trainer, root: str | Path) -> str:
+    """Collective: every rank of the job calls it after the same iteration. Returns "" when
+    the checkpoint became complete (known on global rank 0; other ranks once their part is
+    done), else why not. A failure to write is logged, never raised: training goes on."""
     iteration = trainer.iteration
     tp_rank, pp_rank = trainer.shard
     record: ShardRecord | str | None = None
@@ -327,7 +327,7 @@ def save(trainer: Trainer, root: str | Path) -> bool:
     gathered: list[ShardRecord | str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, record)
     if dist.get_rank() != 0:
-        return not isinstance(record, str)
+        return record if isinstance(record, str) else ""
     errors = [g for g in gathered if isinstance(g, str)]
     shards = [g for g in gathered if isinstance(g, ShardRecord)]
     try:
@@ -336,13 +336,13 @@ def save(trainer: Trainer, root: str | Path) -> bool:
         write_manifest(root, iteration, layout_of(trainer), shards)
     except (CheckpointError, OSError) as exc:
         log.warning("checkpoint at iteration %d not saved: %s", iteration, exc)
-        return False
+        return str(exc) or type(exc).__name__
     deleted = prune(root, iteration)
     log.info(
         "checkpoint saved",
         extra={"iteration": iteration, "checkpoint": str(iteration_dir(root, iteration)), "deleted": deleted},
     )
-    return True
+    return ""
 
 
 def state_parts(state: dict[str, Any]) -> dict[str, Any]:

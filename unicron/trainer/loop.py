@@ -111,7 +111,7 @@ def train(run: Run, program: MegatronProgram) -> None:
         trainer = _first_trainer(run, program, training, use_cuda)
         interval = training.checkpoint_interval
         every = config.snapshot_interval if config.snapshot_dir else 0
-        writer = snapshots.SnapshotWriter(config.snapshot_dir, run.rank, every)
+        writer = snapshots.SnapshotWriter(config.snapshot_dir, run.rank, every, run.durability.snapshotted)
         # A rank leaves its group as soon as a step fails; the coordinator answers with a
         # reform into a new group, never with a reattempt in the old one.
         parked: reforming.Parked | None = None
@@ -130,7 +130,7 @@ def train(run: Run, program: MegatronProgram) -> None:
             reform = poll_reform(run)
             if reform is not None:  # at an iteration boundary: nothing in flight
                 trainer = apply_reform(run, trainer, reform, keep_state=True)
-                writer = snapshots.SnapshotWriter(config.snapshot_dir, run.rank, every)
+                writer = snapshots.SnapshotWriter(config.snapshot_dir, run.rank, every, run.durability.snapshotted)
                 # A rank new to the group owes no save: a collective not every rank joins hangs.
                 save_due = False
                 continue
@@ -138,7 +138,7 @@ def train(run: Run, program: MegatronProgram) -> None:
             finishing, resume = resume, None
             try:
                 if save_due:
-                    checkpoint.save(trainer, config.checkpoint_dir)
+                    run.durability.checkpointed(trainer.iteration, checkpoint.save(trainer, config.checkpoint_dir))
                     save_due = False
                 run.injector.before_step(run.iteration + 1)
                 result = next_step(trainer, finishing, log)
@@ -163,7 +163,7 @@ def train(run: Run, program: MegatronProgram) -> None:
                     run, trainer, run.pending_reform, keep_state=trainer.step_is_redoable, parked=parked
                 )
                 parked = None
-                writer = snapshots.SnapshotWriter(config.snapshot_dir, run.rank, every)
+                writer = snapshots.SnapshotWriter(config.snapshot_dir, run.rank, every, run.durability.snapshotted)
                 save_due = False
                 continue
             run.iteration, run.step_seconds, run.stepped = result.iteration, result.seconds, True
@@ -173,7 +173,7 @@ def train(run: Run, program: MegatronProgram) -> None:
             save_due = bool(config.checkpoint_dir) and run.iteration % interval == 0
             writer.after_iteration(trainer)
         if save_due and not run.stop.is_set():  # a stopped rank owes no collective
-            checkpoint.save(trainer, config.checkpoint_dir)
+            run.durability.checkpointed(trainer.iteration, checkpoint.save(trainer, config.checkpoint_dir))
         trainer.close()
     except BaseException as exc:
         if exc is not run.reported and not isinstance(exc, SystemExit):

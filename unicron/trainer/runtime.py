@@ -45,6 +45,7 @@ from unicron.failures import GROUP_SYMPTOMS, classify_exception, kind_name
 from unicron.faults import parse_fault
 from unicron.logs import exit_flushed, setup_logging
 from unicron.trainer.agent_link import AgentLink, LinkCallbacks
+from unicron.trainer.durability import Durability
 from unicron.trainer.faults import FaultInjector, InjectedFailure
 from unicron.trainer.program import ProgramError
 from unicron.trainer.settings import ENV_PREFIX, TrainerConfig
@@ -132,6 +133,8 @@ class Run:
     supervised: bool = True
     # Set when interrupt_collectives aborted the old group's communicators for a pending reform.
     interrupted: bool = False
+    # The last checkpoint's and snapshot's outcome, told on every report.
+    durability: Durability = field(default_factory=Durability)
 
     def __post_init__(self) -> None:
         if self.generation < 0:
@@ -298,6 +301,7 @@ def report_iteration(
     if run.source is not None:
         report.state_source, report.restored_iteration = run.source
         run.source = None
+    run.durability.fill(report)
     run.link.send(trainer_service_pb2.ConnectRequest(iteration=report))
 
 

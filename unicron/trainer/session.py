@@ -160,6 +160,7 @@ class Session:
             torch.cuda.set_device(loop.cuda_device(torch.cuda.device_count(), run.rank))
         self._from_peer = loop.join_first_group(run, "nccl" if self._device == "cuda" else "gloo")
         self._trainer: TorchTrainer | None = None
+        self._flops_per_token = 0.0
         self._writer: Any = None
 
     @property
@@ -202,6 +203,9 @@ class Session:
         config = self._run.config
         timeout = timedelta(seconds=config.collective_timeout_s)
         trainer = TorchTrainer(model, optimizer, scheduler, self._device, timeout)
+        # A dense network's model FLOPs, 6 per parameter per token or sample (2 forward, 4
+        # backward): what the coordinator learns the job's throughput per size from.
+        self._flops_per_token = 6.0 * sum(p.numel() for p in model.parameters())
         if self._run.injector.enabled:
             trainer.grad_sync_hook = self._run.injector.in_grad_sync
         if self._from_peer:
@@ -212,7 +216,9 @@ class Session:
         self._run.iteration = trainer.iteration
         self._run.source = (restored.source, restored.iteration)
         every = config.snapshot_interval if config.snapshot_dir else 0
-        self._writer = snapshots.SnapshotWriter(config.snapshot_dir, self._run.rank, every)
+        self._writer = snapshots.SnapshotWriter(
+            config.snapshot_dir, self._run.rank, every, self._run.durability.snapshotted
+        )
 
     def samples(self, iteration: int) -> range:
         """This rank's global sample indices of ``iteration`` (1-based): its contiguous share of
@@ -264,12 +270,13 @@ class Session:
             self._trainer.iteration = run.iteration = step.iteration
             run.stepped, run.step_seconds = True, step.seconds
             # The loss is this rank's; the tokens the whole job's (every rank saw as many).
+            tokens = step.tokens * self.world_size
             runtime.report_iteration(
-                run, step.iteration, step.loss, step.seconds, step.tokens * self.world_size, 0.0, step.seconds
+                run, step.iteration, step.loss, step.seconds, tokens, self._flops_per_token * tokens, step.seconds
             )
             self._trainer.update_started = False
             if config.checkpoint_dir and interval and run.iteration % interval == 0:
-                checkpoint.save(self._trainer, config.checkpoint_dir)
+                run.durability.checkpointed(run.iteration, checkpoint.save(self._trainer, config.checkpoint_dir))
             self._writer.after_iteration(self._trainer)
         if run.stop.is_set() and run.iteration < self.training.iterations:
             raise SystemExit(runtime.EXIT_STOPPED)

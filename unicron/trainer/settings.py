@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from unicron import timeouts
-from unicron.config import require, to_env
+from unicron.config import require, setting, to_env
 from unicron.security import ClientSecurity, load_tls
 
 ENV_PREFIX = "UNICRON_TRAINER"
@@ -15,43 +15,59 @@ ENV_PREFIX = "UNICRON_TRAINER"
 
 @dataclass(frozen=True)
 class TrainerConfig:
-    job_id: str = ""
-    generation: int = 0
-    rank: int = 0
-    world_size: int = 1
-    master_addr: str = "127.0.0.1"
-    master_port: int = 29500
-    agent: str = ""
-    spec: str = ""
-    collective_timeout_s: float = timeouts.COLLECTIVE_S
-    fault_injection: bool = False
-    faults: tuple[str, ...] = ()
-    log_level: str = "info"
-    # Per-job directory shared by the job's ranks; empty: no persistent checkpoints.
-    checkpoint_dir: str = ""
-    # Per-job directory on this node, in memory (tmpfs), where ranks keep snapshots of their
-    # state every snapshot_interval iterations for a restart; empty: no snapshots.
-    snapshot_dir: str = ""
-    snapshot_interval: int = 2
-    # After a reattemptable error: how long to wait for the agent's decision, and how many
-    # times one iteration may be reattempted before the rank gives up.
-    reattempt_wait_s: float = timeouts.DECISION_WAIT_S
-    max_reattempts: int = 3
-    # A process started to join a new group (a grow) without state: it receives the training
-    # state from a live peer of its (tensor, pipeline) shard instead of the checkpoint.
-    state_from_peer: bool = False
-    # Testing, honoured only with fault_injection: as the source of a peer transfer, flip one
-    # byte of the state after its checksum was taken (exercises the checkpoint fallback).
-    corrupt_peer_state: bool = False
-    # How to reach the agent, which always says (UNICRON_TRAINER_PLAINTEXT and _TLS_*): over TLS
-    # with the agent's certificate, or plaintext. Unsaid and with no CA (a trainer started by
-    # hand or by a test harness): plaintext, with a warning.
-    tls_ca: str = ""
-    tls_cert: str = ""
-    tls_key: str = ""
-    plaintext: bool | None = None
-    # The per-worker token the agent issued for this job, generation and rank.
-    token: str = ""
+    """A trainer rank's settings: the agent that starts it writes them into its environment
+    (trainer_env); a trainer started by hand or by a test harness takes them as flags too."""
+
+    job_id: str = setting("", "the job this rank trains (required)")
+    generation: int = setting(0, "the job's generation (it grows with every restart or reform) this rank runs in")
+    rank: int = setting(0, "this process's rank in the job, in [0, world_size)")
+    world_size: int = setting(1, "ranks in the job's process group")
+    master_addr: str = setting("127.0.0.1", "rank 0's host, where the process group meets")
+    master_port: int = setting(29500, "rank 0's port, where the process group meets")
+    agent: str = setting("", "host:port of this node's agent (required)")
+    spec: str = setting("", "the job spec, as JSON (required)")
+    collective_timeout_s: float = setting(
+        timeouts.COLLECTIVE_S, "a torch.distributed collective (Megatron's groups included) fails after this long"
+    )
+    fault_injection: bool = setting(False, "let faults be injected into this rank (testing only)")
+    faults: tuple[str, ...] = setting(
+        (), "faults to inject, comma-separated kind[:arg][@iteration] (crash@5, slow:0.5); needs --fault-injection"
+    )
+    log_level: str = setting("info", "debug, info, warning or error")
+    checkpoint_dir: str = setting(
+        "", "the job's directory for persistent checkpoints, shared by its ranks (empty: no checkpoints)"
+    )
+    snapshot_dir: str = setting(
+        "",
+        "the job's directory on this node, in memory (tmpfs), where ranks keep snapshots of their state every "
+        "--snapshot-interval iterations for a restart (empty: no snapshots)",
+    )
+    snapshot_interval: int = setting(2, "iterations between snapshots (0: none)")
+    reattempt_wait_s: float = setting(
+        timeouts.DECISION_WAIT_S, "after a reattemptable error, how long to wait for the agent's decision"
+    )
+    max_reattempts: int = setting(3, "how many times one iteration may be reattempted before the rank gives up")
+    state_from_peer: bool = setting(
+        False,
+        "this process joins a new group (a grow) without state: it receives the training state from a live "
+        "peer of its (tensor, pipeline) shard instead of the checkpoint",
+    )
+    corrupt_peer_state: bool = setting(
+        False,
+        "testing, only with --fault-injection: as the source of a peer transfer, flip one byte of the state after "
+        "its checksum was taken (exercises the checkpoint fallback)",
+    )
+    # The agent always says how to reach it (UNICRON_TRAINER_PLAINTEXT and _TLS_*); unsaid and
+    # with no CA means a trainer started by hand or by a test harness.
+    tls_ca: str = setting("", "the CA certificate (PEM) the agent's certificate chains to")
+    tls_cert: str = setting(
+        "", "a client certificate (PEM) for an agent that asks for one; the agent's trainer port asks for none"
+    )
+    tls_key: str = setting("", "the private key (PEM) of --tls-cert")
+    plaintext: bool | None = setting(
+        None, "talk to the agent without TLS (unset and no --tls-ca: plaintext, with a warning)"
+    )
+    token: str = setting("", "the per-worker token the agent issued for this job, generation and rank")
 
     def __post_init__(self) -> None:
         require(bool(self.job_id), "job_id", "is required")

@@ -25,6 +25,7 @@ import io
 import logging
 import re
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -52,10 +53,14 @@ class SnapshotWriter:
     """Writes this rank's snapshots in the background; at most one write in flight (a snapshot
     due while the previous one is still being written is skipped, not queued)."""
 
-    def __init__(self, root: str | Path, rank: int, every: int) -> None:
+    def __init__(
+        self, root: str | Path, rank: int, every: int, on_result: Callable[[int, str], None] | None = None
+    ) -> None:
         self._dir = Path(root) / f"rank{rank}"
         self._every = every
         self._busy = threading.Lock()
+        # Told each attempt's outcome: the iteration, and "" or why it failed.
+        self._on_result = on_result or (lambda _iteration, _error: None)
 
     def after_iteration(self, trainer: Trainer) -> bool:
         """Snapshots ``trainer`` if its iteration is due and no write is in flight; returns
@@ -68,6 +73,7 @@ class SnapshotWriter:
         except Exception as exc:  # noqa: BLE001 - a snapshot is an optimization; training goes on
             self._busy.release()
             log.warning("snapshot at iteration %d not taken: %s", trainer.iteration, exc)
+            self._on_result(trainer.iteration, str(exc) or type(exc).__name__)
             return False
         threading.Thread(
             target=self._write, args=(trainer.iteration, payload, copied), name="snapshot", daemon=True
@@ -95,6 +101,9 @@ class SnapshotWriter:
                     path.unlink(missing_ok=True)
         except Exception as exc:  # noqa: BLE001 - a snapshot is an optimization; training goes on
             log.warning("snapshot at iteration %d not written: %s", iteration, exc)
+            self._on_result(iteration, str(exc) or type(exc).__name__)
+        else:
+            self._on_result(iteration, "")
         finally:
             self._busy.release()
 

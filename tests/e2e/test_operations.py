@@ -1,0 +1,118 @@
+"""What an operator sees and does on a real cluster (Redis, coordinator, planners, two agents,
+Megatron-Core trainers on gloo): why a job got its size and what it was measured to achieve,
+a job whose checkpoints fail shown as such, and a node drained for maintenance and returned."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.conftest import running, wait_for
+from unicron import jobspec
+from unicron.v1 import common_pb2
+from unicron_dev.localcluster import ROOT, LocalCluster, gpt_program
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    run_dir = Path(tmp_path_factory.mktemp("operations"))
+    # The agents' checkpoint root is a file: every checkpoint fails (NotADirectoryError), as
+    # on a full or read-only volume, while training goes on.
+    blocked = run_dir / "checkpoints-volume"
+    blocked.write_text("not a directory\n")
+    yield from running(
+        LocalCluster(run_dir, agents=2, slots_per_agent=2, agent_args=["--checkpoint-dir", str(blocked)])
+    )
+
+
+def unicron(cluster: LocalCluster, *args: str, user: str = "admin") -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "unicron.cli", "--coordinator", cluster.coordinator, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, **cluster.client_env(user)},
+    )
+
+
+def spec(name: str, data: int, min_data: int, iterations: int) -> common_pb2.JobSpec:
+    return jobspec.normalized(
+        jobspec.spec_from_dict(
+            {
+                "name": name,
+                "program": gpt_program(),
+                "parallelism": {"data": data, "min_data": min_data},
+                "training": {
+                    "iterations": iterations,
+                    "global_batch_size": 8,
+                    "micro_batch_size": 2,
+                    "checkpoint_interval": 2,
+                },
+            }
+        )
+    )
+
+
+def test_a_job_says_why_its_size_learns_its_throughput_and_shows_failing_checkpoints(cluster: LocalCluster) -> None:
+    with cluster.client() as client:
+        job = client.submit(spec("ops-explained", data=2, min_data=1, iterations=400))
+        job = wait_for(client, job.job_id, lambda j: j.progress.iteration >= 8, "trains", 180)
+        placed = next(c.reason for c in job.history if c.reason.startswith("placed on"))
+        assert "FLOP/s by size 1: " in placed and "2: " in placed, placed
+        job = wait_for(client, job.job_id, lambda j: bool(j.progress.measured_flops_per_second), "measured", 60)
+        assert all(v > 0 for v in job.progress.measured_flops_per_second.values())
+        job = wait_for(client, job.job_id, lambda j: bool(j.conditions), "a condition", 60)
+        (condition,) = job.conditions
+        assert condition.type == "checkpoints_failing" and condition.since_iteration >= 2
+        shown = unicron(cluster, "get", job.job_id)
+        assert "condition  checkpoints failing since iteration" in shown.stdout, shown.stdout + shown.stderr
+        assert "throughput " in shown.stdout and "measured" in shown.stdout
+        assert job.state == common_pb2.JOB_STATE_RUNNING and not client.incidents(job.job_id)
+        client.cancel(job.job_id)
+
+
+def test_a_drained_node_gives_up_its_ranks_without_an_incident_and_comes_back(cluster: LocalCluster) -> None:
+    with cluster.client() as client:
+        job = client.submit(spec("ops-drained", data=2, min_data=1, iterations=1_000_000))
+        job = wait_for(client, job.job_id, lambda j: j.progress.iteration >= 3, "trains", 180)
+        node = job.assignment.workers[0].node_id
+        drained = unicron(cluster, "drain", node)
+        assert drained.returncode == 0 and f"drained {node}; moving {job.job_id} off it" in drained.stdout, drained
+        start = job.progress.iteration
+
+        def moved(j: common_pb2.Job) -> bool:
+            nodes = {w.node_id for w in j.assignment.workers}
+            return node not in nodes and j.state == common_pb2.JOB_STATE_RUNNING and j.progress.iteration > start + 3
+
+        after = wait_for(client, job.job_id, moved, "moved off the drained node", 180)
+        assert not after.remedies and not client.incidents(after.job_id)
+        assert "drained" in unicron(cluster, "nodes").stdout
+        # Nothing more lands there while it is drained; uncordoned, it is used again.
+        time.sleep(2)
+        assert node not in {w.node_id for w in client.get(job.job_id).assignment.workers}
+        back = unicron(cluster, "uncordon", node)
+        assert back.returncode == 0, back
+        client.cancel(job.job_id)
+
+
+def test_a_drain_with_nowhere_to_go_an_unknown_node_and_a_user_are_refused(cluster: LocalCluster) -> None:
+    with cluster.client() as client:
+        job = client.submit(spec("ops-wide", data=4, min_data=4, iterations=1_000_000))
+        wait_for(client, job.job_id, lambda j: j.state == common_pb2.JOB_STATE_RUNNING, "runs", 180)
+        refused = unicron(cluster, "drain", "node-a")
+        assert refused.returncode != 0 and job.job_id in refused.stderr and "Traceback" not in refused.stderr
+        assert not any(n.cordoned for n in client.nodes())
+        unknown = unicron(cluster, "drain", "node-zz")
+        assert unknown.returncode != 0 and "not found" in unknown.stderr
+        user = unicron(cluster, "drain", "node-b", user="alice")
+        assert user.returncode != 0 and "admin" in user.stderr
+        client.cancel(job.job_id)
