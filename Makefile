@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 GEN_STAMP := unicron/v1/.generated
 PROTOS := $(wildcard proto/unicron/v1/*.proto)
 
-.PHONY: all venv gen redis compose-v1 demo certs test test-unit test-cluster lint fmt clean bench-planner bench-detect bench-transition bench-sizes bench-sim bench-load bench-load-steps bench-peers peers-venv compose-test deploy-lock
+.PHONY: all venv gen redis compose-v1 demo certs test test-e2e test-unit test-cluster lint fmt clean bench-planner bench-detect bench-transition bench-sizes bench-sim bench-load bench-load-steps bench-peers peers-venv compose-test deploy-lock
 
 all: test
 
@@ -51,7 +51,12 @@ test: gen redis compose-v1
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
-	UNICRON_REQUIRE_COMPOSE_V1=1 $(PY) -m pytest -q -ra --durations=15 -m "not cluster"
+	UNICRON_REQUIRE_COMPOSE_V1=1 $(PY) -m pytest -q -ra --durations=15 -m "not cluster and not e2e"
+
+# Real training end to end: every service a real process, the trainer through every remedy
+# (about 14 minutes on 2 cores; the second step of .ci/run).
+test-e2e: gen redis
+	$(PY) -m pytest -q -ra --durations=15 -m "e2e and not cluster"
 
 test-unit: gen
 	$(PY) -m pytest -q -m "not integration and not e2e and not cluster"

@@ -111,7 +111,10 @@ class LocalCluster:
     # More than one: a standby set sharing the Redis, one active through the lease; agents
     # and clients get every address, comma-separated (see `coordinator`).
     coordinators: int = 1
-    lease_ttl_s: float = 3.0
+    # None: 3 s with a standby (it takes over that fast), 10 s for a lone coordinator, which
+    # has no one to hand over to: a short lease only lets a stalled machine fence it (seen
+    # here: every process silent for 13 s, the coordinator stopped with exit 75).
+    lease_ttl_s: float | None = None
     fault_injection: bool = False
     # Spare trainers per agent (services/agent/spares.py). Off by default here: on a small
     # machine each one is an idle trainer's memory, and its imports compete for the CPU.
@@ -250,7 +253,7 @@ class LocalCluster:
                 "--heartbeat-timeout-s",
                 str(self.heartbeat_timeout_s),
                 "--lease-ttl-s",
-                str(self.lease_ttl_s),
+                str(self.lease_ttl()),
                 *(["--tokens-file", str(self.pki.tokens_file)] if self.pki is not None else []),
             ]
             # The first becomes active; the others start once it serves, as standbys.
@@ -327,6 +330,11 @@ class LocalCluster:
         """A port no service of this cluster uses on `host` (a namespace holds nothing else)."""
         used = {int(s.address.rpartition(":")[2]) for s in self.services if s.address.startswith(f"{host.address}:")}
         return next(port for port in range(50100, 51000) if port not in used)
+
+    def lease_ttl(self) -> float:
+        if self.lease_ttl_s is not None:
+            return self.lease_ttl_s
+        return 3.0 if self.coordinators > 1 else 10.0
 
     def _popen(self, argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.extra_env}

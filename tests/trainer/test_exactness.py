@@ -31,6 +31,9 @@ from tests.trainer.harness import (
     run_ranks,
     start_trainer,
 )
+
+# Minutes of real training through every remedy: with the end-to-end suite (make test-e2e).
+pytestmark = pytest.mark.e2e
 from unicron.trainer import checkpoint
 from unicron.trainer.settings import trainer_env
 from unicron.v1 import common_pb2
