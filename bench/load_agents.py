@@ -33,6 +33,7 @@ from unicron.v1 import node_service_pb2_grpc as nodes_grpc
 CALL_TIMEOUT_S = 5.0
 PROGRESS_PERIOD_S = 1.0
 RETRY_S = 0.5
+REGISTER_ATTEMPTS = 5
 
 
 @dataclass
@@ -84,13 +85,20 @@ class SimAgent:
         self.tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
-        reply = await self.stub.RegisterNode(
-            nodes_pb.RegisterNodeRequest(
-                node_id=self.node_id, address="127.0.0.1:1", slots=self.slots, failure_domain=self.domain
-            ),
-            timeout=CALL_TIMEOUT_S,
-            metadata=self.metadata,
+        request = nodes_pb.RegisterNodeRequest(
+            node_id=self.node_id, address="127.0.0.1:1", slots=self.slots, failure_domain=self.domain
         )
+        # As a real agent does: a registration that timed out or found no server is tried
+        # again (a stalled machine once held a wave of 50 past the deadline).
+        for attempt in range(REGISTER_ATTEMPTS):
+            try:
+                reply = await self.stub.RegisterNode(request, timeout=CALL_TIMEOUT_S, metadata=self.metadata)
+                break
+            except grpc.aio.AioRpcError as exc:
+                retryable = exc.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
+                if not retryable or attempt == REGISTER_ATTEMPTS - 1:
+                    raise
+                await asyncio.sleep(RETRY_S * (attempt + 1))
         self.interval_s = reply.heartbeat_interval_seconds or 1.0
         self.last_command = reply.last_command_id
         for loop in (self._heartbeats, self._commands, self._progress):

@@ -18,6 +18,7 @@ import argparse
 import dataclasses
 import os
 import re
+import sys
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -151,6 +152,17 @@ def _shown(default: Any) -> str:
     return str(default) if default != "" else "empty"
 
 
+def program_name() -> str:
+    """How the running program was started, for usage lines: `python -m services.agent`
+    rather than argparse's `__main__.py`."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name:
+        module = spec.name.removesuffix(".__main__")
+        return f"python -m {module}"
+    return Path(sys.argv[0]).name if sys.argv and sys.argv[0] else "unicron"
+
+
 def load_config(
     cls: type[C],
     *,
@@ -164,7 +176,7 @@ def load_config(
         raise TypeError(f"{cls} is not a dataclass")
     env = os.environ if env is None else env
     fields = dataclasses.fields(cls)
-    parser = argparse.ArgumentParser(description=description)
+    parser = argparse.ArgumentParser(prog=program_name(), description=description)
     parser.add_argument(
         "--config",
         help=f"a YAML file of settings, keyed by the names below with underscores; flags and environment "

@@ -84,3 +84,18 @@ def test_reports_of_a_generation_never_made_are_refused(cluster: tuple[Coordinat
         coordinator.report_worker_exit(exit_request)
     assert coordinator.get(job.job_id) == before  # not even the good report of the batch
     assert coordinator.list_incidents(job.job_id) == []
+
+
+def test_a_loopback_registration_lists_no_node(
+    cluster: tuple[Coordinator, MemoryStore, Clock], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every agent on one machine shares loopback, which is exempt: listing every node per
+    # registration made 1,000 registrations a storm (bench-load-steps).
+    coordinator, store, _ = cluster
+
+    def listed() -> list[pb.Node]:
+        raise AssertionError("a loopback registration listed the nodes")
+
+    monkeypatch.setattr(store, "list_nodes", listed)
+    node, _ = coordinator.register_node("n9", "127.0.0.1:7009", 1, "rack-a")
+    assert node.state == pb.NODE_STATE_READY
