@@ -31,13 +31,13 @@ from tests.trainer.harness import (
     run_ranks,
     start_trainer,
 )
-
-# Minutes of real training through every remedy: with the end-to-end suite (make test-e2e).
-pytestmark = pytest.mark.e2e
 from unicron.trainer import checkpoint
 from unicron.trainer.settings import trainer_env
 from unicron.v1 import common_pb2
 from unicron_dev.localcluster import gpt_program
+
+# Minutes of real training through every remedy: with the end-to-end suite (make test-e2e).
+pytestmark = pytest.mark.e2e
 
 ITERATIONS = 20
 # 4 layers of hidden 128 and a 1024-token vocabulary: 1.05M parameters.
