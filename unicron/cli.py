@@ -35,6 +35,11 @@ BAD_INPUT = {
 }
 
 
+TERMINAL_STATES = frozenset(
+    {common_pb2.JOB_STATE_SUCCEEDED, common_pb2.JOB_STATE_FAILED, common_pb2.JOB_STATE_CANCELLED}
+)
+
+
 def state_name(state: int) -> str:
     return common_pb2.JobState.Name(state).removeprefix("JOB_STATE_").lower()
 
@@ -293,7 +298,10 @@ def follow(client: UnicronClient, job_id: str, out: TextIO, as_json: bool) -> Wa
         if event.type == common_pb2.JOB_EVENT_TYPE_SNAPSHOT:
             total = event.job.spec.training.iterations
             if not as_json:
-                view.line(f"watching {event.job.job_id} ({event.job.spec.name}): {state_name(event.state)}")
+                line = f"watching {event.job.job_id} ({event.job.spec.name}): {state_name(event.state)}"
+                if event.state in TERMINAL_STATES and event.job.reason:
+                    line += f" ({event.job.reason})"  # it ended before: say why, once
+                view.line(line)
         elif event.type == common_pb2.JOB_EVENT_TYPE_PROGRESS:
             if result.first_loss is None:
                 result.first_loss = event.progress.loss

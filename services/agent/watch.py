@@ -5,6 +5,7 @@ generation), one lock, instead of a set per flag."""
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -12,6 +13,10 @@ from unicron.monitor import Finding, JobMonitor, MonitorSettings
 from unicron.v1 import node_service_pb2 as pb
 
 Key = tuple[str, int]  # (job, generation)
+# Generations forgotten whose ranks' last iterations are still answered: a rank's exit can
+# be reported after its job's watch was dropped (its peer's exit, on another thread, saw no
+# rank left running), and it must still say how far it got.
+ENDED_KEPT = 256
 
 
 @dataclass
@@ -42,6 +47,7 @@ class JobWatch:
     def __init__(self, settings: MonitorSettings) -> None:
         self._settings = settings
         self._jobs: dict[Key, Watched] = {}
+        self._ended: OrderedDict[Key, dict[int, int]] = OrderedDict()
         self._lock = threading.Lock()
 
     def start(
@@ -56,6 +62,7 @@ class JobWatch:
         ranks = list(ranks)
         monitor = JobMonitor(job_id, generation, ranks, self._settings, now)
         with self._lock:
+            self._ended.pop((job_id, generation), None)
             self._jobs[(job_id, generation)] = Watched(monitor, last_iteration, ranks=ranks, peers=dict(peers or {}))
 
     def peers_of(self, key: Key) -> dict[str, str]:
@@ -102,12 +109,18 @@ class JobWatch:
             return watched is None or watched.quiet_expected
 
     def last_iteration_of(self, key: Key, rank: int) -> int:
+        """The last iteration `rank` reported in this generation, also after forget (0: none)."""
         with self._lock:
             watched = self._jobs.get(key)
-            return watched.monitor.last_iteration_of(rank) if watched is not None else 0
+            if watched is not None:
+                return watched.monitor.last_iteration_of(rank)
+            return self._ended.get(key, {}).get(rank, 0)
 
     def forget(self, job_id: str, max_generation: int = 0) -> None:
         """Drops the job's generations up to max_generation (0: all of them)."""
         with self._lock:
             for key in [k for k in self._jobs if k[0] == job_id and (not max_generation or k[1] <= max_generation)]:
-                del self._jobs[key]
+                watched = self._jobs.pop(key)
+                self._ended[key] = {rank: watched.monitor.last_iteration_of(rank) for rank in watched.ranks}
+                while len(self._ended) > ENDED_KEPT:
+                    self._ended.popitem(last=False)

@@ -31,6 +31,7 @@ from unicron.errors import AlreadyExists, Conflict, NotFound, Unavailable
 from unicron.v1 import common_pb2, node_service_pb2
 
 F = TypeVar("F", bound=Callable[..., Any])
+Record = TypeVar("Record", common_pb2.Incident, common_pb2.Node)
 
 PREFIX = "unicron:"
 JOBS_INDEX = PREFIX + "jobs"
@@ -168,6 +169,36 @@ class RedisStore:
                 except redis.WatchError:
                     continue
         raise NotLeader("the coordinator lease keeps changing hands")
+
+    def _edit_record(
+        self,
+        key: str,
+        kind: type[Record],
+        edit: Callable[[Record], None],
+        what: str,
+        also: Callable[[Any], object] | None = None,
+    ) -> Record | None:
+        """Compare-and-set edit of the one record at `key` (re-read when another writer got
+        there first), with `also`'s writes in the same transaction; None when there is no
+        such record."""
+        for _ in _attempts():
+            with self._redis.pipeline() as pipe:
+                try:
+                    self._watch(pipe, key)
+                    raw = pipe.get(key)
+                    if raw is None:
+                        return None
+                    record = kind.FromString(raw)
+                    edit(record)
+                    pipe.multi()
+                    pipe.set(key, record.SerializeToString())
+                    if also is not None:
+                        also(pipe)
+                    pipe.execute()
+                    return record
+                except redis.WatchError:
+                    continue
+        raise Conflict(f"{what}: too many concurrent updates")
 
     # ---- jobs -------------------------------------------------------------------------
 
@@ -365,23 +396,7 @@ class RedisStore:
         """Compare-and-set edit of one incident by id, whether or not it is still the open
         one under its key (a late edit must not overwrite what others wrote since). Returns
         what was stored; None when there is no such incident."""
-        key = _incident_key(incident_id)
-        for _ in _attempts():
-            with self._redis.pipeline() as pipe:
-                try:
-                    self._watch(pipe, key)
-                    raw = pipe.get(key)
-                    if raw is None:
-                        return None
-                    incident = common_pb2.Incident.FromString(raw)
-                    edit(incident)
-                    pipe.multi()
-                    pipe.set(key, incident.SerializeToString())
-                    pipe.execute()
-                    return incident
-                except redis.WatchError:
-                    continue
-        raise Conflict(f"incident {incident_id}: too many concurrent updates")
+        return self._edit_record(_incident_key(incident_id), common_pb2.Incident, edit, f"incident {incident_id}")
 
     @redis_errors
     def get_incident(self, incident_id: str) -> common_pb2.Incident | None:
@@ -498,24 +513,17 @@ class RedisStore:
         """Compare-and-set of a node's cordon (a registration racing it is read again)."""
         if not storable(node_id):
             return None
-        key = _node_key(node_id)
-        for _ in _attempts():
-            with self._redis.pipeline() as pipe:
-                try:
-                    self._watch(pipe, key)
-                    raw = pipe.get(key)
-                    if raw is None:
-                        return None
-                    node = common_pb2.Node.FromString(raw)
-                    node.cordoned = cordoned
-                    pipe.multi()
-                    pipe.set(key, node.SerializeToString())
-                    pipe.set(NODES_VERSION, _new_version())
-                    pipe.execute()
-                    return node
-                except redis.WatchError:
-                    continue
-        raise Conflict(f"node {node_id}: too many concurrent updates")
+
+        def cordon(node: common_pb2.Node) -> None:
+            node.cordoned = cordoned
+
+        return self._edit_record(
+            _node_key(node_id),
+            common_pb2.Node,
+            cordon,
+            f"node {node_id}",
+            also=lambda pipe: pipe.set(NODES_VERSION, _new_version()),
+        )
 
     @redis_errors
     def append_command(self, node_id: str, command: node_service_pb2.NodeCommand) -> str:

@@ -166,9 +166,9 @@ def test_a_job_survives_a_coordinator_crash(cluster: LocalCluster, tmp_path: Pat
     time.sleep(cluster.heartbeat_timeout_s + 1)  # longer than the heartbeat timeout
     cluster.restart("coordinator")
     watched = unicron(cluster, "watch", job_id, check=False)
-    assert watched.returncode == 0, watched.stdout + watched.stderr
     with cluster.client() as client:
         job = client.get(job_id)
+        assert watched.returncode == 0, f"{watched.stdout}{watched.stderr}{job.reason}\n{story(client, job_id)}"
         assert job.state == common_pb2.JOB_STATE_SUCCEEDED
         assert [n.state for n in client.nodes()] == [common_pb2.NODE_STATE_READY] * 2
         jobs = client.list_jobs()

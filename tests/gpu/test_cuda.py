@@ -1,6 +1,6 @@
 """Where CUDA exists: the GPT example trains on the GPU through the trainer library and a
 real trainer process, and the Megatron CPU shim stays out of the way. Skipped without CUDA
-(this suite has not run on a GPU yet: none was lent to the sessions that wrote it)."""
+(the one-GPU test passed on an H200 on 2026-12-04; the two-GPU tests have not run yet)."""
 
 from __future__ import annotations
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import time
 from pathlib import Path
@@ -199,8 +200,6 @@ def test_incidents_show_remedy_transition_and_cost(
 
 
 def test_get_shows_worker_states_and_remedies() -> None:
-    import io
-
     job = common_pb2.Job(job_id="job-1", state=common_pb2.JOB_STATE_RUNNING, reason="training resumed")
     job.spec.name = "gpt"
     job.assignment.generation = 2
@@ -231,3 +230,17 @@ def test_nodes_say_how_long_each_is_in_its_state(
     assert header == ["NODE", "STATE", "FOR", "SLOTS", "USED", "ADDRESS", "DOMAIN", "HEARTBEAT"]
     assert first[:4] == ["n1", "ready", "-", "1/2"]
     assert second[:4] == ["n2", "lost", "1m", "0/2"]
+
+
+class EndedJobClient(FakeClient):
+    def watch(self, job_id: str) -> list[common_pb2.JobEvent]:
+        job = common_pb2.Job(job_id=job_id, state=common_pb2.JOB_STATE_FAILED, reason="rank 2 exited with code 1")
+        job.spec.name = "gpt"
+        return [common_pb2.JobEvent(type=common_pb2.JOB_EVENT_TYPE_SNAPSHOT, state=job.state, job=job)]
+
+
+def test_watching_a_job_that_already_failed_says_why() -> None:
+    out = io.StringIO()
+    code = cli.watch_job(EndedJobClient("x"), "job-1", out, as_json=False)  # type: ignore[arg-type]
+    assert code == cli.EXIT_FAILED
+    assert out.getvalue() == "watching job-1 (gpt): failed (rank 2 exited with code 1)\n"

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 import pytest
 
 from services.agent import procstat, verdicts
-from services.agent.watch import JobWatch
+from services.agent.watch import ENDED_KEPT, JobWatch
 from unicron.monitor import Finding, MonitorSettings, ReportRejected
 from unicron.v1 import common_pb2
 from unicron.v1 import node_service_pb2 as pb
@@ -200,6 +200,24 @@ def test_the_watch_flushes_the_first_report_and_knows_when_a_job_finishes() -> N
     assert not watch.quiet_expected(("j", 1))
     watch.observe(("j", 1), iteration(0, 3), 3.0)
     assert watch.quiet_expected(("j", 1)) and watch.last_iteration_of(("j", 1), 0) == 3
+
+
+def test_a_rank_s_last_iteration_outlives_its_job_s_watch() -> None:
+    # Two ranks exit at once on two threads: the first exit handled finds no rank running
+    # and forgets the job; the second must still report how far its rank got, or the
+    # coordinator reads a clean exit before the last iteration (a program error).
+    watch = JobWatch(MonitorSettings())
+    watch.start("j", 1, [0, 1], last_iteration=3, now=0.0)
+    for number in (1, 2, 3):
+        for rank in (0, 1):
+            watch.observe(("j", 1), iteration(rank, number), float(number))
+    watch.forget("j")
+    assert [watch.last_iteration_of(("j", 1), rank) for rank in (0, 1)] == [3, 3]
+    assert watch.quiet_expected(("j", 1))
+    for generation in range(2, ENDED_KEPT + 2):  # a bounded memory: the oldest goes first
+        watch.start("j", generation, [0], last_iteration=3, now=0.0)
+        watch.forget("j")
+    assert watch.last_iteration_of(("j", 1), 0) == 0
 
 
 def test_a_job_awaiting_a_decision_is_quiet_until_it_iterates() -> None:
