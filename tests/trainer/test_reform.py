@@ -38,7 +38,7 @@ from unicron.faults import EXCEPTION_TEXTS
 from unicron.trainer import checkpoint
 from unicron.trainer.agent_link import AgentLink, LinkCallbacks
 from unicron.trainer.faults import FaultInjector, InjectedFailure
-from unicron.trainer.reform import NO_STATE, StateError, make_plan, snapshot_of
+from unicron.trainer.reform import NO_STATE, make_plan
 from unicron.trainer.runtime import (
     Decision,
     Run,
@@ -63,29 +63,6 @@ RESET_TEXT = EXCEPTION_TEXTS[common_pb2.FAILURE_KIND_CONNECTION_RESET]
 
 
 # --- without processes ------------------------------------------------------------------------
-
-
-def _state(iteration: int) -> dict[str, Any]:
-    return {
-        "iteration": iteration,
-        "model": {"w": torch.arange(8, dtype=torch.float32)},
-        "optimizer": {"state": {0: {"exp_avg": torch.ones(8)}}, "param_groups": [{"lr": 1e-3, "params": [0]}]},
-    }
-
-
-def test_a_snapshot_decodes_to_its_state_and_a_flipped_byte_is_caught() -> None:
-    snapshot = snapshot_of(_state(3))
-    state = snapshot.decode()
-    assert state["iteration"] == 3 and torch.equal(state["model"]["w"], torch.arange(8, dtype=torch.float32))
-    flipped = bytearray(snapshot.data)
-    flipped[len(flipped) // 2] ^= 0xFF
-    corrupt = type(snapshot)(snapshot.iteration, bytes(flipped), snapshot.sha256)
-    with pytest.raises(StateError, match="corrupt"):
-        corrupt.decode()
-    # Decodable bytes of the wrong iteration are refused too.
-    other = snapshot_of(_state(4))
-    with pytest.raises(StateError, match="iteration 4"):
-        type(other)(3, other.data, other.sha256).decode()
 
 
 def test_the_plan_picks_the_lowest_rank_holding_the_newest_state_per_shard() -> None:
