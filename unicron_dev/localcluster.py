@@ -386,9 +386,10 @@ class LocalCluster:
                     raise Unavailable(f"{service.name} not ready after {timeout_s}s; see {service.log_path}")
 
     def wait_nodes(
-        self, list_nodes: Callable[[], Sequence[common_pb2.Node]], count: int, timeout_s: float = 30.0
+        self, list_nodes: Callable[[], Sequence[common_pb2.Node]], count: int, timeout_s: float = 90.0
     ) -> None:
-        """Waits until `count` nodes are READY (list_nodes: e.g. UnicronClient.nodes)."""
+        """Waits until `count` nodes are READY (list_nodes: e.g. UnicronClient.nodes). Agents with
+        warm spares register once the spares have imported torch: seconds on a busy machine."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if sum(node.state == common_pb2.NODE_STATE_READY for node in list_nodes()) >= count:

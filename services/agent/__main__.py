@@ -93,6 +93,11 @@ class AgentConfig(TLSConfig):
         "trainer processes kept ready (torch and Megatron imported), so that a restarted rank skips seconds of "
         "imports; each costs the memory of an idle trainer (a few hundred MB)",
     )
+    spare_warmup_s: float = setting(
+        60.0,
+        "at start, the longest the agent waits for its warm spares before it registers, so that a job growing "
+        "onto the node starts warm; 0 registers at once",
+    )
     log_level: str = setting("info", "debug, info, warning or error")
     join_token_file: str = setting(
         "",
@@ -122,6 +127,7 @@ class AgentConfig(TLSConfig):
         require(self.stop_grace_s >= 0, "stop_grace_s", "must not be negative")
         require(self.max_workers >= 4, "max_workers", "must be at least 4")
         require(0 <= self.warm_spares <= 64, "warm_spares", "must be between 0 and 64")
+        require(0 <= self.spare_warmup_s <= 3600, "spare_warmup_s", "must be between 0 and 3600")
         require(self.health_period_s > 0, "health_period_s", "must be positive")
         require(self.hang_k > 1, "hang_k", "must exceed 1")
         require(self.hang_floor_s > 0, "hang_floor_s", "must be positive")
@@ -225,6 +231,7 @@ def setup(
             monitoring=config.monitor,
             health_period_s=config.health_period_s,
             warm_spares=config.warm_spares,
+            spare_warmup_s=config.spare_warmup_s,
             trainer_env=trainer_env(config),
             trainer_address=trainer_address,
             data_interface=config.data_interface or interface_of(advertised_host(config)),

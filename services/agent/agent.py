@@ -18,7 +18,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -69,6 +69,10 @@ class AgentSettings:
     # Trainer processes kept ready (torch and Megatron imported) for ranks that start: a
     # restart then skips seconds of imports. Each costs the memory of an idle trainer.
     warm_spares: int = 0
+    # At start, the longest the agent waits for its spares to be warm before it registers: a
+    # job that grows onto the node then takes a spare, and its kept ranks do not wait in the
+    # new group while a cold process imports torch (10-25 s measured). 0: register at once.
+    spare_warmup_s: float = 60.0
     spare_command: tuple[str, ...] = (sys.executable, "-m", "services.trainer.spare")
     # How trainers reach this agent (unicron.trainer.settings.trainer_env: the CA that signed
     # the agent's certificate, or plaintext; never the agent's key), and where: a port of its
@@ -161,16 +165,32 @@ class Agent:
 
     def start(self, address: str) -> None:
         self.address = address
-        loops = self.client.loops()
+        loops: list[tuple[Callable[[], None], str]] = [(self._register_when_warm, "register")]
         if self.settings.monitoring:
             loops.append((self._monitor_loop, "monitor"))
         if self._health_checks:
             loops.append((self._health_loop, "health"))
+        self._start_threads(loops)
+
+    def _start_threads(self, loops: list[tuple[Callable[[], None], str]]) -> None:
         for target, name in loops:
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
             self._threads.append(thread)
-        threading.Thread(target=self._spares.fill, name="spares", daemon=True).start()
+
+    def _register_when_warm(self) -> None:
+        """Fills the spare pool, waits (bounded) until it is warm, then starts talking to the
+        coordinator: the node offers its slots once a rank placed there starts warm."""
+        self._spares.fill()
+        if self.settings.warm_spares > 0 and self.settings.spare_warmup_s > 0:
+            started = time.monotonic()
+            ready = self._spares.wait_warm(self.settings.spare_warmup_s)
+            log.info(
+                "spares warm, registering" if ready else "no spare warm in time, registering anyway",
+                extra={"ready": ready, "waited_s": round(time.monotonic() - started, 1)},
+            )
+        if not self._stop.is_set():
+            self._start_threads(self.client.loops())
 
     def stop(self) -> None:
         self._stop.set()
@@ -180,7 +200,7 @@ class Agent:
         if self.settings.snapshot_dir is not None:
             # The node goes out of service: its trainers' snapshots are memory to give back.
             shutil.rmtree(self.settings.snapshot_dir, ignore_errors=True)
-        for thread in self._threads:
+        for thread in list(self._threads):
             thread.join(timeout=2)
 
     def _registration(self) -> pb.RegisterNodeRequest:

@@ -44,6 +44,7 @@ class SparePool:
         self._spares: list[subprocess.Popen[bytes]] = []
         self._warm: set[int] = set()  # pids of spares done importing
         self._closed = False
+        self._changed = threading.Condition(self._lock)
 
     def fill(self) -> None:
         """Starts spares until `size` are alive (call at start and after each take)."""
@@ -73,10 +74,26 @@ class SparePool:
         assert proc.stdout is not None
         line = proc.stdout.readline()
         proc.stdout.close()
+        if line != READY_LINE:
+            try:
+                proc.wait(timeout=5)  # it is exiting: let a waiter see it dead
+            except subprocess.TimeoutExpired:
+                pass
         with self._lock:
             if line == READY_LINE and proc in self._spares:
                 self._warm.add(proc.pid)
                 self._write_status()
+            self._changed.notify_all()  # warm, or dead before it was: either ends a wait
+
+    def wait_warm(self, timeout_s: float) -> int:
+        """Waits until every spare of the pool is done importing, at most `timeout_s` (a spare
+        that died trying ends the wait too); returns how many are ready."""
+        with self._changed:
+            self._changed.wait_for(
+                lambda: self._closed or all(p.pid in self._warm or p.poll() is not None for p in self._spares),
+                timeout=timeout_s,
+            )
+            return sum(1 for p in self._spares if p.pid in self._warm and p.poll() is None)
 
     def _write_status(self) -> None:
         """Rewrites the status file (caller holds the lock)."""
@@ -131,6 +148,7 @@ class SparePool:
             self._closed = True
             spares, self._spares = self._spares, []
             self._warm.clear()
+            self._changed.notify_all()
         for proc in spares:
             proc.kill()
             proc.wait()

@@ -139,3 +139,22 @@ def test_the_supervisor_launches_through_a_spare_and_keeps_a_registry(tmp_path: 
     assert json.loads((tmp_path / "work" / REGISTRY_FILE).read_text()) == []
     assert (tmp_path / "work" / "job-1" / "gen2-rank5.out").read_text().split() == ["5", "1"]
     supervisor.close()
+
+
+def test_waiting_for_warm_spares_ends_when_they_are_ready_or_dead(tmp_path: Path) -> None:
+    spares = pool(tmp_path, size=2)
+    spares.fill()
+    assert spares.wait_warm(timeout_s=30) == 2
+    spares.close()
+    assert spares.wait_warm(timeout_s=30) == 0  # closed: at once
+    slow = SparePool(1, [sys.executable, "-c", "import time; time.sleep(60)"], TRAINER, BASE, tmp_path)
+    slow.fill()
+    started = time.monotonic()
+    assert slow.wait_warm(timeout_s=0.5) == 0 and time.monotonic() - started < 5  # bounded
+    slow._spares[0].kill()
+    dead = SparePool(1, [sys.executable, "-c", "pass"], TRAINER, BASE, tmp_path)  # exits before ready
+    dead.fill()
+    started = time.monotonic()
+    assert dead.wait_warm(timeout_s=30) == 0 and time.monotonic() - started < 10
+    slow.close()
+    dead.close()
