@@ -33,7 +33,10 @@ from unicron.v1 import node_service_pb2_grpc as nodes_grpc
 CALL_TIMEOUT_S = 5.0
 PROGRESS_PERIOD_S = 1.0
 RETRY_S = 0.5
-REGISTER_ATTEMPTS = 5
+# Registration retries as the agent's (services/agent/coordinator_client.py): 0.1 s doubling to 2 s.
+RETRY_FIRST_S = 0.1
+RETRY_MAX_S = 2.0
+RETRYABLE = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
 @dataclass
@@ -89,16 +92,20 @@ class SimAgent:
             node_id=self.node_id, address="127.0.0.1:1", slots=self.slots, failure_domain=self.domain
         )
         # As a real agent does: a registration that timed out or found no server is tried
-        # again (a stalled machine once held a wave of 50 past the deadline).
-        for attempt in range(REGISTER_ATTEMPTS):
+        # again, after a jittered backoff (0.1 s doubling to 2 s), for as long as the parent
+        # waits; each failed try counts in the errors. A stalled machine once held a wave of
+        # 50 past the deadline, and 2,000 agents registering at once queue behind each other.
+        delay = RETRY_FIRST_S
+        while True:
             try:
                 reply = await self.stub.RegisterNode(request, timeout=CALL_TIMEOUT_S, metadata=self.metadata)
                 break
             except grpc.aio.AioRpcError as exc:
-                retryable = exc.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
-                if not retryable or attempt == REGISTER_ATTEMPTS - 1:
+                if exc.code() not in RETRYABLE:
                     raise
-                await asyncio.sleep(RETRY_S * (attempt + 1))
+                self.stats.error("register", exc)
+                await asyncio.sleep(random.uniform(delay / 2, delay))
+                delay = min(RETRY_MAX_S, delay * 2)
         self.interval_s = reply.heartbeat_interval_seconds or 1.0
         self.last_command = reply.last_command_id
         for loop in (self._heartbeats, self._commands, self._progress):

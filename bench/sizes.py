@@ -118,11 +118,11 @@ def rows_of(width: int, report: dict[str, Any]) -> list[dict[str, Any]]:
                 "state_bytes": state_bytes(width),
                 **{k: row.get(k) for k in _KEPT},
                 "samples": [
-                    {k: s.get(k) for k in ("transition_s", "recomputed", "state_source", "error")}
+                    {k: s.get(k) for k in ("transition_s", "lost_s", "recomputed", "state_source", "error")}
                     for s in row.get("samples", [])
                 ],
                 "baseline_samples": [
-                    {k: s.get(k) for k in ("restart_s", "regain_s", "lost_iterations", "error")}
+                    {k: s.get(k) for k in ("restart_s", "regain_s", "lost_s", "lost_iterations", "error")}
                     for s in row.get("baseline_samples", [])
                 ],
             }
@@ -139,6 +139,9 @@ _KEPT = (
     "baseline_regain_p50_s",
     "speedup",
     "target_speedup",
+    "lost_s_p50",
+    "baseline_lost_s_p50",
+    "lost_time_speedup",
     "lost_iterations",
     "baseline_lost_iterations",
     "state_sources",
@@ -178,6 +181,18 @@ def checks(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "met": speedup >= 10.0,
                 }
             )
+        lost = reattempt.get("lost_time_speedup")
+        if lost is not None:
+            out.append(
+                {
+                    "width": width,
+                    "check": "reattempt loses 10x less time",
+                    "value": lost,
+                    "limit": 10.0,
+                    "margin": round(lost / 10.0, 2),
+                    "met": lost >= 10.0,
+                }
+            )
     return out
 
 
@@ -198,14 +213,15 @@ def fit_file(lines: dict[str, Line], measured: str) -> dict[str, Any]:
 def format_table(rows: list[dict[str, Any]], lines: dict[str, Line], verdicts: list[dict[str, Any]]) -> str:
     out = [
         f"{'params':>8} {'state MB':>9} {'action':<17} {'n':>2} {'p50 s':>7} {'base p50 s':>10} {'speedup':>8} "
-        f"{'lost':>5}"
+        f"{'lost':>5} {'lost s':>7} {'base lost s':>11} {'lost x':>7}"
     ]
     out.append("-" * len(out[0]))
     for row in sorted(rows, key=lambda r: (r["width"], ACTIONS.index(r["action"]) if r["action"] in ACTIONS else 9)):
         out.append(
             f"{row['parameters'] / 1e6:>7.1f}M {row['state_bytes'] / 1e6:>9.0f} {row['action']:<17} {row['n'] or 0:>2} "
             f"{_num(row['p50_s']):>7} {_num(row['baseline_p50_s']):>10} {_num(row['speedup']):>8} "
-            f"{_num(row['lost_iterations']):>5}"
+            f"{_num(row['lost_iterations']):>5} {_num(row.get('lost_s_p50')):>7} "
+            f"{_num(row.get('baseline_lost_s_p50')):>11} {_num(row.get('lost_time_speedup')):>7}"
         )
     out.append("")
     out.append(f"{'fitted line':<17} {'fixed s':>8} {'s per GB':>9} {'at 1.6 GB':>10}")

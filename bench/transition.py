@@ -45,6 +45,7 @@ from bench.transition_model import (  # re-exported: the tests and bench.peers r
     EXPECTED_REMEDY,
     FAULTS,
     JOB_DATA,
+    LOST_FLOOR_S,
     START_ATTEMPTS,
     STEP_RANGE,
     TARGET_SPEEDUP,
@@ -64,6 +65,7 @@ from bench.transition_model import (  # re-exported: the tests and bench.peers r
     lost_iterations,
     parse_resumed,
     recovery_from_events,
+    time_lost,
     verdict_reasons,
 )
 from unicron.client import ClientError, UnicronClient
@@ -78,6 +80,7 @@ __all__ = [
     "EXPECTED_KIND",
     "EXPECTED_REMEDY",
     "FAULTS",
+    "LOST_FLOOR_S",
     "TARGET_SPEEDUP",
     "BaselineSample",
     "Event",
@@ -93,6 +96,7 @@ __all__ = [
     "main",
     "parse_resumed",
     "recovery_from_events",
+    "time_lost",
     "verdict_reasons",
 ]
 _TERMINAL = (pb.JOB_STATE_FAILED, pb.JOB_STATE_CANCELLED, pb.JOB_STATE_SUCCEEDED)
@@ -320,6 +324,8 @@ class UnicronSide:
             sample.recomputed_from_events = max(0, recovery["pre_failure_iteration"] - sample.restored_iteration)
         if recovery["regained_at"] is not None:
             sample.regain_s = round(recovery["regained_at"] - detected, 4)
+        if recovery["lost_s"] is not None:
+            sample.lost_s = round(recovery["lost_s"], 4)
 
     def ensure_nodes_ready(self) -> None:
         """A resize leaves its node ISOLATED: restart that agent (a repaired node registering

@@ -24,6 +24,7 @@ from bench.transition_model import (
     BaselineSample,
     Settings,
     bench_spec,
+    time_lost,
 )
 from unicron.trainer.settings import trainer_env
 from unicron.v1 import common_pb2 as pb
@@ -191,6 +192,16 @@ class BaselineSide:
                 raise RuntimeError(f"the restarted ranks did not get back to iteration {target}")
             sample.regain_s = round(back.time - killed, 4)
             sample.lost_iterations = max(0, target - started.restored_iteration)
+
+            def past(arrivals: list[Arrival]) -> Arrival | None:
+                return next((a for a in arrivals if a.generation == 2 and a.rank == 0 and a.iteration > target), None)
+
+            # One iteration past the kill: what the failure cost against a failure-free run.
+            beyond = agent.wait(past, self.settings.start_timeout_s)
+            if beyond is not None:
+                done = {a.iteration: a.time for a in agent.reports_of(1)}
+                lost = time_lost(done, target, beyond.time)
+                sample.lost_s = None if lost is None else round(lost, 4)
         except Exception as exc:  # noqa: BLE001 -- one failed sample must not end the bench
             sample.error = f"{type(exc).__name__}: {exc}"
         finally:

@@ -4,11 +4,13 @@ the table). No cluster, no trainer: tests/unit/test_bench_transition.py runs the
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 import re
+import statistics
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -49,6 +51,9 @@ EXPECTED_REMEDY = {
 # restart from a snapshot may recompute up to the snapshot interval less one).
 TARGET_SPEEDUP = {"reattempt": 10.0, "restart": 3.0, "restart_snapshot": 3.0, "resize": 2.0, "grow": 2.0}
 # Today's practice: a persistent checkpoint every 50 steps.
+# A lost time under this is counted as this in the lost-time ratio: the event times it is
+# read from carry the agent's 0.2 s report batching, so smaller differences are not measured.
+LOST_FLOOR_S = 0.2
 CHECKPOINT_INTERVAL = 50
 STEP_RANGE = (55, 95)
 # The job trains this far (past the monitor's warm-up) before the fault is sent; it fires later,
@@ -143,6 +148,29 @@ class Event:
     incident_id: str = ""
 
 
+def time_lost(before: Mapping[int, float], failed_at: int, next_done: float, window: int = 10) -> float | None:
+    """Seconds a failure cost against a failure-free run of the same job: the first iteration
+    after `failed_at` completed at `next_done`; without the failure it would have completed one
+    iteration time after `failed_at` did. `before`: iteration -> when it completed (reports may
+    arrive in batches: several iterations at one time). The iteration time is the median over
+    the last `window` iterations of each batch's seconds per iteration, so neither batching nor
+    one slow iteration (a checkpoint saved, the first one's warm-up) moves it. Recomputed
+    iterations, restarts and reforms all count; the iteration's own compute, which the
+    failure-free run pays too, does not. None without two batches to time."""
+    if failed_at not in before:
+        return None
+    done = sorted(i for i in before if i <= failed_at)[-(window + 1) :]
+    # One point per batch: its last iteration, at the batch's time.
+    batches: dict[float, int] = {}
+    for iteration in done:
+        batches[before[iteration]] = max(iteration, batches.get(before[iteration], iteration))
+    points = sorted((iteration, at) for at, iteration in batches.items())
+    rates = [(t1 - t0) / (i1 - i0) for (i0, t0), (i1, t1) in itertools.pairwise(points) if t1 > t0]
+    if not rates:
+        return None
+    return max(0.0, next_done - before[failed_at] - statistics.median(rates))
+
+
 def recovery_from_events(events: list[Event], detected: float, at_least: int = 0) -> dict[str, Any] | None:
     """From a job's events (stream order), around its first resume at or after `detected` (the
     failure's incident; the resume may close a follow-up incident when the first remedy failed):
@@ -158,7 +186,10 @@ def recovery_from_events(events: list[Event], detected: float, at_least: int = 0
     goal = max(pre, at_least)
     regain = next((e.time for e in events[index:] if e.kind == "progress" and e.iteration >= goal), None)
     first = next((e for e in events[index:] if e.kind == "progress"), None)
+    progress = {e.iteration: e.time for e in events[:index] if e.kind == "progress"}
+    next_done = next((e.time for e in events[index:] if e.kind == "progress" and e.iteration > pre), None)
     return {
+        "lost_s": time_lost(progress, pre, next_done) if next_done is not None else None,
         "pre_failure_iteration": pre,
         "resumed": parse_resumed(events[index].message),
         "resumed_at": events[index].time,
@@ -187,6 +218,7 @@ class Sample:
     transition_s: float | None = None  # the job's first resume after the incident - incident.detected
     cost_transition_s: float | None = None  # incident.cost.transition_seconds (set when it resumed itself)
     regain_s: float | None = None  # progress back at the pre-failure iteration - detected
+    lost_s: float | None = None  # training time the failure cost against a failure-free run (time_lost)
     # A grow only: the re-plan's assignment -> the first iteration at the new size, while the
     # job trains on at the old one (transition_s is then only the pause training took).
     prepare_s: float | None = None
@@ -222,6 +254,7 @@ class BaselineSample:
     lost_iterations: int | None = None  # step_at_kill - restored_iteration
     restart_s: float | None = None  # kill -> first completed iteration after the restart
     regain_s: float | None = None  # kill -> rank 0 back at step_at_kill
+    lost_s: float | None = None  # training time the failure cost against a failure-free run (time_lost)
     error: str = ""
 
 
@@ -250,6 +283,8 @@ def summarize(action: str, samples: list[Sample], baseline: list[BaselineSample]
     p50, base_p50 = _p(times, 0.5), _p(base_times, 0.5)
     regain_p50, base_regain_p50 = _p(regains, 0.5), _p(base_regains, 0.5)
     speedup = _round(base_p50 / p50, 2) if p50 and base_p50 else None
+    lost_p50 = _p([s.lost_s for s in done if s.lost_s is not None], 0.5)
+    base_lost_p50 = _p([b.lost_s for b in base if b.lost_s is not None], 0.5)
     regain_speedup = _round(base_regain_p50 / regain_p50, 2) if regain_p50 and base_regain_p50 else None
     target = TARGET_SPEEDUP.get(action)
     failed = [s for s in samples if s.error]
@@ -284,6 +319,13 @@ def summarize(action: str, samples: list[Sample], baseline: list[BaselineSample]
         "regain_p50_s": regain_p50,
         "baseline_regain_p50_s": base_regain_p50,
         "regain_speedup": regain_speedup,
+        # The training time each side lost against a failure-free run (time_lost), and its ratio:
+        # what a failure costs, with the iteration that both runs compute taken out.
+        "lost_s_p50": lost_p50,
+        "baseline_lost_s_p50": base_lost_p50,
+        "lost_time_speedup": _round(base_lost_p50 / max(lost_p50, LOST_FLOOR_S), 2)
+        if lost_p50 is not None and base_lost_p50
+        else None,
         "met": speedup_met and lost_met,
         "cost_transition_p50_s": _p([s.cost_transition_s for s in done if s.cost_transition_s is not None], 0.5),
         "state_sources": dict(Counter(s.state_source or "unknown" for s in done)),
@@ -346,23 +388,27 @@ def format_table(report: dict[str, Any]) -> str:
 
     header = (
         f"{'action':<10} {'n':>2} {'p50_s':>7} {'base_p50':>8} {'speedup':>8} {'target':>6} {'lost':>4} "
-        f"{'base_lost':>9} {'regain':>7} {'base_regain':>11} {'state':<16} result"
+        f"{'base_lost':>9} {'regain':>7} {'base_regain':>11} {'lost_s':>7} {'base_lost_s':>11} {'lost_x':>7} "
+        f"{'state':<16} result"
     )
     lines = [header, "-" * len(header)]
     for row in report["actions"]:
         speedup = "-" if row["speedup"] is None else f"{row['speedup']:.2f}x"
         target = "-" if row["target_speedup"] is None else f"{row['target_speedup']:g}x"
         sources = ",".join(sorted(row["state_sources"])) or "-"
+        lost_x = "-" if row["lost_time_speedup"] is None else f"{row['lost_time_speedup']:.1f}x"
         lines.append(
             f"{row['action']:<10} {row['n']:>2} {num(row['p50_s']):>7} {num(row['baseline_p50_s']):>8} "
             f"{speedup:>8} {target:>6} {count(row['lost_iterations']):>4} "
             f"{count(row['baseline_lost_iterations']):>9} {num(row['regain_p50_s']):>7} "
-            f"{num(row['baseline_regain_p50_s']):>11} {sources:<16} {'PASS' if row['met'] else 'FAIL'}"
+            f"{num(row['baseline_regain_p50_s']):>11} {num(row['lost_s_p50']):>7} "
+            f"{num(row['baseline_lost_s_p50']):>11} {lost_x:>7} {sources:<16} {'PASS' if row['met'] else 'FAIL'}"
         )
     lines.append(
         "(p50_s: incident detected -> first iteration in the new configuration; base_p50: kill -> first iteration "
         "after restarting every rank from the last checkpoint; regain: back at the pre-failure iteration; lost: most "
-        "iterations recomputed in any sample)"
+        "iterations recomputed in any sample; lost_s: training time lost against a failure-free run, p50; lost_x: "
+        "the baseline's lost_s over Unicron's)"
     )
     for row in report["actions"]:
         reasons = verdict_reasons(row)

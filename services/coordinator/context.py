@@ -4,7 +4,7 @@ metrics, and the event that wakes the reconcile loop."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from services.coordinator.ladder import LadderPolicy
@@ -49,5 +49,9 @@ class Context:
 
     def unreachable(self) -> frozenset[str]:
         """The nodes stored LOST: no agent there to ask to stop anything."""
-        states = self.store.node_states()
-        return frozenset(node_id for node_id, st in states.items() if st == common_pb2.NODE_STATE_LOST)
+        return unreachable(self.store.node_states())
+
+
+def unreachable(states: Mapping[str, int]) -> frozenset[str]:
+    """The LOST nodes of a view of every node's state: no agent there to ask to stop anything."""
+    return frozenset(node_id for node_id, st in states.items() if st == common_pb2.NODE_STATE_LOST)

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from services.coordinator import cost, decide, incidents, intake, ladder, links, remedies, state
-from services.coordinator.context import Context
+from services.coordinator.context import Context, unreachable
 from services.coordinator.events import EventType, event
 from services.coordinator.replan import Replanner
 from services.coordinator.store import JobWrite
@@ -20,6 +20,9 @@ from unicron.errors import NotFound
 from unicron.v1 import common_pb2, node_service_pb2
 
 log = logging.getLogger(__name__)
+
+# Up to this many jobs are read one by one; more, in one listing of every job.
+FEW_JOBS = 3
 
 
 class Healer:
@@ -73,6 +76,13 @@ class Healer:
         except intake.NoOpenIncident:
             return None
         self._announce(incident, created, report)
+        self._answer(incident, created, job)
+        return incident
+
+    def _answer(self, incident: common_pb2.Incident, created: bool, job: common_pb2.Job | None) -> None:
+        """A recorded incident: a new one is announced on its job's event log; then it is
+        held (decided by a later reconcile step), answered by its remedy, or left alone."""
+        store, now = self._ctx.store, self._ctx.clock()
         if incident.job_id and (created or incident.kind != common_pb2.FAILURE_KIND_STRAGGLER):
             job = job or store.get_job(incident.job_id)
         if created and job is not None:
@@ -92,7 +102,6 @@ class Healer:
             threading.Timer(hold_s, self._ctx.wake.set).start()
         elif verdict.route == intake.Route.RESPOND:
             self._respond(incident, job)
-        return incident
 
     def _announce(self, incident: common_pb2.Incident, created: bool, report: common_pb2.FailureReport) -> None:
         """The log line of a report, and a new incident's detection span."""
@@ -141,17 +150,59 @@ class Healer:
             node.node_id, job_id, generation, last, self._ctx.settings.heartbeat_timeout_s
         )
 
-    def jobs_lost_node(self, node: common_pb2.Node, jobs: list[common_pb2.Job]) -> None:
-        """The incidents of the jobs of a node just marked LOST. `jobs` says where its
-        workers were (assignments change only when a replan commits, after this); `record`
-        reads each job's own state again."""
+    def jobs_lost_nodes(self, nodes: list[common_pb2.Node], jobs: list[common_pb2.Job]) -> None:
+        """The incidents of the jobs of nodes just marked LOST. `jobs` says where their
+        workers were (assignments change only when a replan commits, after this). A rack
+        that vanishes hits dozens of jobs at once: their incidents open in one write (one
+        per job, with a report per node it lost), then each is answered."""
+        lost = {node.node_id: node for node in nodes}
+        opening: dict[str, list[common_pb2.FailureReport]] = {}
         for job in jobs:
-            if node.node_id in decide.nodes_of(job):
+            reports = [
+                self.node_lost_report(lost[node_id], job.job_id, job.assignment.generation)
+                for node_id in decide.nodes_of(job)
+                if node_id in lost
+            ]
+            if reports and job.state in state.ACTIVE:
+                opening[job.job_id] = reports
+            else:
                 # A job that other ranks' errors already ended gets the node loss as the
-                # root cause of its incident; a running one gets a new incident.
-                report = self.node_lost_report(node, job.job_id, job.assignment.generation)
-                self.record(report, create=job.state in state.ACTIVE)
-        self._replanner.want(f"node {node.node_id} lost")
+                # root cause of its open incident; it opens no new one.
+                for report in reports:
+                    self.record(report, create=False)
+        if opening:
+            self._open_many(opening)
+        for node in nodes:
+            self._replanner.want(f"node {node.node_id} lost")
+
+    def _open_many(self, reports_by_job: dict[str, list[common_pb2.FailureReport]]) -> None:
+        """`record` for the reports of many jobs, their incidents written in one transaction.
+        Each job is read again under the lock, as `record` does: a job that moved on to
+        another generation meanwhile only has its reports join an open incident."""
+        store, now = self._ctx.store, self._ctx.clock()
+        with self._lock:
+            if len(reports_by_job) <= FEW_JOBS:
+                current = {job_id: store.get_job(job_id) for job_id in reports_by_job}
+            else:  # one listing costs a few round trips, a read per job one each
+                current = {job.job_id: job for job in store.list_jobs() if job.job_id in reports_by_job}
+                reports_by_job = {job_id: reports for job_id, reports in reports_by_job.items() if job_id in current}
+            opening = {
+                job_id: reports
+                for job_id, reports in reports_by_job.items()
+                if intake.may_open(current[job_id], reports[0])
+            }
+            for job_id in reports_by_job.keys() - opening.keys():
+                for report in reports_by_job[job_id]:
+                    self._record_one(report, False, None)
+            updates = {
+                incidents.incident_key(reports[0]): _chained([intake.merge_update(r, now) for r in reports])
+                for reports in opening.values()
+            }
+            recorded = store.upsert_incidents(updates)
+            for (incident, created), (job_id, reports) in zip(recorded, opening.items(), strict=True):
+                for i, report in enumerate(reports):
+                    self._announce(incident, created and i == 0, report)
+                self._answer(incident, created, current[job_id])
 
     def decide_held(self, now: float) -> None:
         """Responds to the incidents whose hold is over (also after a restart of the
@@ -198,21 +249,29 @@ class Healer:
         if not remedies.applies(job, incident):
             return
         incident = self._part(incident, job)
-        ready = {node_id for node_id, st in store.node_states().items() if st == common_pb2.NODE_STATE_READY}
+        # One view of the nodes for the whole decision: each read is a round trip, and a
+        # burst of lost nodes answers dozens of incidents in one reconcile step.
+        states = store.node_states()
         decision = ladder.choose(
             incident.kind,
             job.remedies,
             self._ctx.clock(),
             self._ctx.settings.ladder,
             ranks_alive=incidents.ranks_alive(incident),
-            placement_ready=all(node_id in ready for node_id in decide.nodes_of(job)),
+            placement_ready=all(states.get(n) == common_pb2.NODE_STATE_READY for n in decide.nodes_of(job)),
         )
-        self._apply(incident, decision, job)
+        self._apply(incident, decision, job, states)
 
-    def _apply(self, incident: common_pb2.Incident, decision: ladder.Decision, job: common_pb2.Job) -> None:
+    def _apply(
+        self,
+        incident: common_pb2.Incident,
+        decision: ladder.Decision,
+        job: common_pb2.Job,
+        states: Mapping[str, int],
+    ) -> None:
         """Writes the decision (remedies.write), then acts on it. The new assignment and its
         rendezvous port are resolved from `job` first: the write applies only to the
-        generation they were made for."""
+        generation they were made for. `states`: every node's state, as read for the decision."""
         settings, now, remedy = self._ctx.settings, self._ctx.clock(), decision.remedy
         assignment = None
         if remedy == common_pb2.REMEDY_REATTEMPT:
@@ -220,9 +279,7 @@ class Healer:
             assignment = remedies.reattempt_assignment(job, now, port)
         elif remedy == common_pb2.REMEDY_RESTART:
             assignment = self._replanner.new_assignment(job, decide.slots_by_node(job))
-        given = remedies.Inputs(
-            now, settings.ack_timeout_s, self._ctx.unreachable(), settings.reform_restarts, assignment
-        )
+        given = remedies.Inputs(now, settings.ack_timeout_s, unreachable(states), settings.reform_restarts, assignment)
         healthy_waf, healthy_slots = cost.job_waf(job), job.assignment.world_size
         wrote = False
 
@@ -269,7 +326,8 @@ class Healer:
             self._forget_job(job.job_id)
             self._replanner.want(f"job {job.job_id} failed")
         elif remedy == common_pb2.REMEDY_RECONFIGURE:
-            self._isolate(incident)
+            if states.get(incident.node_id) == common_pb2.NODE_STATE_READY:
+                self._isolate(incident)  # a node already lost or isolated is out of every plan
             self._replanner.want(f"incident {incident.incident_id} needs a new plan")
 
     def _isolate(self, incident: common_pb2.Incident) -> None:
@@ -397,3 +455,17 @@ class Healer:
                 updated = self.update_incident(incident, edit)
                 if self._ctx.metrics is not None:
                     self._ctx.metrics.record_sub_healthy(updated, updated.cost.sub_healthy_waf_seconds - before)
+
+
+def _chained(
+    updates: list[Callable[[common_pb2.Incident | None], common_pb2.Incident]],
+) -> Callable[[common_pb2.Incident | None], common_pb2.Incident]:
+    """One incident update that applies `updates` in order (a job's reports of one step)."""
+
+    def update(current: common_pb2.Incident | None) -> common_pb2.Incident:
+        for one in updates:
+            current = one(current)
+        assert current is not None
+        return current
+
+    return update

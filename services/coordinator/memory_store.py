@@ -105,6 +105,22 @@ class MemoryStore:
             self._commit(job, write)
             return self._with_progress(job)
 
+    def update_jobs(self, mutations: Mapping[str, JobMutation]) -> dict[str, common_pb2.Job]:
+        with self._lock:
+            missing = [job_id for job_id in mutations if job_id not in self._jobs]
+            if missing:
+                raise NotFound(f"no job with id {missing[0]!r}")
+            jobs = {job_id: common_pb2.Job.FromString(self._jobs[job_id]) for job_id in mutations}
+            writes = {job_id: mutate(jobs[job_id]) for job_id, mutate in mutations.items()}
+            out = {}
+            for job_id, write in writes.items():
+                if write is None:
+                    out[job_id] = self._with_progress(common_pb2.Job.FromString(self._jobs[job_id]))
+                else:
+                    self._commit(jobs[job_id], write)
+                    out[job_id] = self._with_progress(jobs[job_id])
+            return out
+
     def _commit(self, job: common_pb2.Job, write: JobWrite) -> None:
         job.version += 1
         # Serialize everything first: a message that cannot be must leave nothing written.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 from services.coordinator import decide, ladder, state
 from services.coordinator.context import Context
@@ -19,6 +20,9 @@ log = logging.getLogger(__name__)
 
 # How often incidents are charged for their jobs' sub-healthy running.
 SUB_HEALTHY_PERIOD_S = 5.0
+# A step slower than this is logged with the time of each of its parts: a slow step delays
+# every loss detection and re-plan behind it (bench-load's burst at 2,000 nodes).
+SLOW_STEP_S = 1.0
 
 
 class Reconciler:
@@ -56,24 +60,34 @@ class Reconciler:
     def step(self) -> None:
         """Observe (nodes, jobs), decide (pure functions in decide.py), act."""
         store = self._ctx.store
+        parts = _Stopwatch()
         self._registry.save_heartbeats()
+        parts.lap("save_heartbeats")
         now = self._ctx.clock()
         # A rack that vanishes is a hundred nodes: all are marked LOST in one write, their
         # jobs' incidents follow (from one read of the jobs), and the nodes' own incidents,
         # which no remedy waits for, come after this step's re-plan.
         newly_lost = self._registry.mark_lost(self._registry.nodes(), now)
+        parts.lap("mark_lost")
         if newly_lost:
-            placed = store.list_jobs()
-            for node in newly_lost:
-                self._healer.jobs_lost_node(node, placed)
+            self._healer.jobs_lost_nodes(newly_lost, store.list_jobs())
+            parts.lap("lost_node_incidents")
         try:
-            self._jobs(now)
+            self._jobs(now, parts)
         finally:
             self._healer.record_node_losses(newly_lost)
+            parts.lap("node_incidents")
+            if parts.total() > SLOW_STEP_S:
+                log.warning(
+                    "reconcile step slow",
+                    extra={"seconds": round(parts.total(), 3), "parts": parts.laps, "lost": len(newly_lost)},
+                )
 
-    def _jobs(self, now: float) -> None:
+    def _jobs(self, now: float, parts: _Stopwatch) -> None:
         self._healer.decide_held(now)
+        parts.lap("held_incidents")
         jobs = self._ctx.store.list_jobs()
+        parts.lap("list_jobs")
         for job_id, node_id in decide.overdue_workers(now, jobs):
             self._missed_ack(job_id, node_id, now)
         for job_id in decide.stalled_recoveries(now, jobs, self._ctx.settings.recovery_timeout_s):
@@ -81,8 +95,10 @@ class Reconciler:
         if now - self._last_accrual >= SUB_HEALTHY_PERIOD_S:
             self._healer.accrue_sub_healthy(jobs, now - self._last_accrual if self._last_accrual else 0.0)
             self._last_accrual = now
+        parts.lap("overdue_and_accrual")
         nodes = self._registry.nodes()  # as the steps above left them (lost, isolated)
         self._replanner.step(jobs, nodes, now)
+        parts.lap("replan")
 
     def _missed_ack(self, job_id: str, node_id: str, now: float) -> None:
         store = self._ctx.store
@@ -131,3 +147,19 @@ class Reconciler:
         )
         report.first_seen.FromNanoseconds(int(now * 1e9))
         self._healer.record(report)
+
+
+class _Stopwatch:
+    """Seconds spent in each named part of a step, for the slow-step log line."""
+
+    def __init__(self) -> None:
+        self._start = self._last = time.perf_counter()
+        self.laps: dict[str, float] = {}
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.laps[name] = round(self.laps.get(name, 0.0) + now - self._last, 3)
+        self._last = now
+
+    def total(self) -> float:
+        return self._last - self._start

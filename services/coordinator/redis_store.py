@@ -18,7 +18,6 @@ from __future__ import annotations
 import functools
 import random
 import time
-import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -26,6 +25,25 @@ from typing import Any, Protocol, TypeVar
 import redis
 
 from services.coordinator.lease import NotLeader
+from services.coordinator.redis_keys import (
+    EVENT_FIELD,
+    INCIDENTS_INDEX,
+    JOBS_INDEX,
+    NODES_INDEX,
+    NODES_VERSION,
+    PREFIX,
+    commands_key,
+    events_key,
+    exits_key,
+    heartbeat_key,
+    incident_key,
+    job_incidents_key,
+    job_key,
+    name_key,
+    new_version,
+    node_key,
+    progress_key,
+)
 from services.coordinator.store import JobWrite, storable
 from unicron.errors import AlreadyExists, Conflict, NotFound, Unavailable
 from unicron.v1 import common_pb2, node_service_pb2
@@ -33,14 +51,6 @@ from unicron.v1 import common_pb2, node_service_pb2
 F = TypeVar("F", bound=Callable[..., Any])
 Record = TypeVar("Record", common_pb2.Incident, common_pb2.Node)
 
-PREFIX = "unicron:"
-JOBS_INDEX = PREFIX + "jobs"
-NODES_INDEX = PREFIX + "nodes"
-# Set anew by every write of a node's record (not of its heartbeat), so a reader can tell that
-# the records it holds are still current from one small read. A random value, not a counter:
-# a store emptied and filled again must not repeat one.
-NODES_VERSION = PREFIX + "nodes:version"
-INCIDENTS_INDEX = PREFIX + "incidents"
 CAS_ATTEMPTS = 20
 # Between two attempts of a compare-and-set a writer waits a random share of this times the
 # attempts so far: writers that collide once would otherwise collide again in lockstep, and
@@ -55,51 +65,14 @@ def _attempts() -> Iterator[int]:
         yield attempt
 
 
-EVENT_FIELD = b"e"
+def _parse_job(raw: bytes, progress: bytes | None) -> common_pb2.Job:
+    return _with_progress(common_pb2.Job.FromString(raw), progress)
 
 
-def _job_key(job_id: str) -> str:
-    return f"{PREFIX}job:{job_id}"
-
-
-def _name_key(name: str) -> str:
-    return f"{PREFIX}jobname:{name}"
-
-
-def _progress_key(job_id: str) -> str:
-    return f"{PREFIX}job:{job_id}:progress"
-
-
-def _exits_key(job_id: str) -> str:
-    return f"{PREFIX}job:{job_id}:exits"
-
-
-def _events_key(job_id: str) -> str:
-    return f"{PREFIX}job:{job_id}:events"
-
-
-def _incident_key(incident_id: str) -> str:
-    return f"{PREFIX}incident:{incident_id}"
-
-
-def _job_incidents_key(job_id: str) -> str:
-    return f"{PREFIX}job:{job_id}:incidents"
-
-
-def _new_version() -> str:
-    return uuid.uuid4().hex
-
-
-def _node_key(node_id: str) -> str:
-    return f"{PREFIX}node:{node_id}"
-
-
-def _heartbeat_key(node_id: str) -> str:
-    return f"{PREFIX}node:{node_id}:heartbeat"
-
-
-def _commands_key(node_id: str) -> str:
-    return f"{PREFIX}node:{node_id}:commands"
+def _with_progress(job: common_pb2.Job, progress: bytes | None) -> common_pb2.Job:
+    if progress is not None:
+        job.progress.ParseFromString(progress)
+    return job
 
 
 def redis_errors(method: F) -> F:
@@ -206,20 +179,20 @@ class RedisStore:
     def create_job(self, job: common_pb2.Job, event: common_pb2.JobEvent) -> common_pb2.Job:
         """Stores a new job; ALREADY_EXISTS if its name is taken. Atomic: name, job, index
         and first event are written together or not at all."""
-        name_key = _name_key(job.spec.name)
+        taken = name_key(job.spec.name)
         for _ in _attempts():
             with self._redis.pipeline() as pipe:
                 try:
-                    self._watch(pipe, name_key)
-                    existing = pipe.get(name_key)
+                    self._watch(pipe, taken)
+                    existing = pipe.get(taken)
                     if existing is not None:
                         raise AlreadyExists(f"a job named {job.spec.name!r} already exists ({existing.decode()})")
                     job.version = 1
                     pipe.multi()
-                    pipe.set(name_key, job.job_id)
-                    pipe.set(_job_key(job.job_id), job.SerializeToString())
+                    pipe.set(taken, job.job_id)
+                    pipe.set(job_key(job.job_id), job.SerializeToString())
                     pipe.zadd(JOBS_INDEX, {job.job_id: job.created.ToNanoseconds()})
-                    pipe.xadd(_events_key(job.job_id), {EVENT_FIELD: event.SerializeToString()})
+                    pipe.xadd(events_key(job.job_id), {EVENT_FIELD: event.SerializeToString()})
                     pipe.execute()
                     return job
                 except redis.WatchError:
@@ -232,34 +205,25 @@ class RedisStore:
     def get_job(self, job_id: str) -> common_pb2.Job:
         if not storable(job_id):
             raise NotFound(f"no job with id or name {job_id!r}")
-        raw = self._redis.get(_job_key(job_id))
+        # The record and its progress in one round trip: every progress report and every
+        # remedy reads a job, and under load each round trip waits for the interpreter lock.
+        raw, progress = self._redis.mget([job_key(job_id), progress_key(job_id)])
         if raw is None:
-            by_name = self._redis.get(_name_key(job_id))
-            raw = self._redis.get(_job_key(by_name.decode())) if by_name else None
+            by_name = self._redis.get(name_key(job_id))
+            if by_name:
+                raw, progress = self._redis.mget([job_key(by_name.decode()), progress_key(by_name.decode())])
         if raw is None:
             raise NotFound(f"no job with id or name {job_id!r}")
-        job = common_pb2.Job.FromString(raw)
-        progress = self._redis.get(_progress_key(job.job_id))
-        if progress is not None:
-            job.progress.ParseFromString(progress)
-        return job
+        return _parse_job(raw, progress)
 
     @redis_errors
     def list_jobs(self) -> list[common_pb2.Job]:
         ids = [raw.decode() for raw in self._redis.zrevrange(JOBS_INDEX, 0, -1)]
         if not ids:
             return []
-        raws = self._redis.mget([_job_key(i) for i in ids])
-        progresses = self._redis.mget([_progress_key(i) for i in ids])
-        jobs = []
-        for raw, progress in zip(raws, progresses, strict=True):
-            if raw is None:
-                continue
-            job = common_pb2.Job.FromString(raw)
-            if progress is not None:
-                job.progress.ParseFromString(progress)
-            jobs.append(job)
-        return jobs
+        raws = self._redis.mget([job_key(i) for i in ids])
+        progresses = self._redis.mget([progress_key(i) for i in ids])
+        return [_parse_job(raw, progress) for raw, progress in zip(raws, progresses, strict=True) if raw is not None]
 
     @redis_errors
     def update_job(
@@ -271,54 +235,93 @@ class RedisStore:
         unless another writer got there first, then retries. mutate returning None means
         'nothing to write'; exceptions it raises propagate and nothing is written. The job
         returned carries its progress, as get_job's does (progress is never written here)."""
-        key = _job_key(job_id)
+        key = job_key(job_id)
         for _ in _attempts():
             with self._redis.pipeline() as pipe:
                 try:
                     self._watch(pipe, key)
-                    raw = pipe.get(key)
+                    # Progress is read with the record (it is not watched: it never decides a
+                    # write), one round trip fewer than reading it after.
+                    raw, progress = pipe.mget([key, progress_key(job_id)])
                     if raw is None:
                         raise NotFound(f"no job with id {job_id!r}")
                     job = common_pb2.Job.FromString(raw)
                     write = mutate(job)
                     if write is None:
-                        return self._with_progress(job)
+                        return _with_progress(job, progress)
                     job.version += 1
                     pipe.multi()
-                    pipe.set(key, job.SerializeToString())
-                    for event in write.events:
-                        pipe.xadd(_events_key(job_id), {EVENT_FIELD: event.SerializeToString()})
-                    for node_id, command in write.commands:
-                        pipe.xadd(_commands_key(node_id), {EVENT_FIELD: command.SerializeToString()})
+                    self._queue_write(pipe, job, write)
                     pipe.execute()
-                    return self._with_progress(job)
+                    return _with_progress(job, progress)
                 except redis.WatchError:
                     continue
         raise Conflict(f"job {job_id}: too many concurrent updates")
 
-    def _with_progress(self, job: common_pb2.Job) -> common_pb2.Job:
-        progress = self._redis.get(_progress_key(job.job_id))
-        if progress is not None:
-            job.progress.ParseFromString(progress)
-        return job
+    @redis_errors
+    def update_jobs(
+        self, mutations: Mapping[str, Callable[[common_pb2.Job], JobWrite | None]]
+    ) -> dict[str, common_pb2.Job]:
+        """`update_job` for many jobs in one transaction: a re-plan that moves dozens of jobs
+        after a burst of lost nodes pays a handful of round trips, not a handful per job."""
+        ids = list(mutations)
+        if not ids:
+            return {}
+        keys = [job_key(job_id) for job_id in ids]
+        for _ in _attempts():
+            with self._redis.pipeline() as pipe:
+                try:
+                    self._watch(pipe, *keys)
+                    values = pipe.mget([*keys, *(progress_key(job_id) for job_id in ids)])
+                    jobs: dict[str, common_pb2.Job] = {}
+                    writes: dict[str, JobWrite] = {}
+                    for i, job_id in enumerate(ids):
+                        raw = values[i]
+                        if raw is None:
+                            raise NotFound(f"no job with id {job_id!r}")
+                        jobs[job_id] = common_pb2.Job.FromString(raw)
+                        write = mutations[job_id](jobs[job_id])
+                        if write is None:
+                            jobs[job_id] = common_pb2.Job.FromString(raw)
+                        else:
+                            jobs[job_id].version += 1
+                            writes[job_id] = write
+                    if writes:
+                        pipe.multi()
+                        for job_id, write in writes.items():
+                            self._queue_write(pipe, jobs[job_id], write)
+                        pipe.execute()
+                    return {job_id: _with_progress(jobs[job_id], values[len(ids) + i]) for i, job_id in enumerate(ids)}
+                except redis.WatchError:
+                    continue
+        raise Conflict(f"jobs {', '.join(ids[:3])}{' ...' if len(ids) > 3 else ''}: too many concurrent updates")
+
+    @staticmethod
+    def _queue_write(pipe: Any, job: common_pb2.Job, write: JobWrite) -> None:
+        """A job's record, events and commands, queued in a transaction."""
+        pipe.set(job_key(job.job_id), job.SerializeToString())
+        for event in write.events:
+            pipe.xadd(events_key(job.job_id), {EVENT_FIELD: event.SerializeToString()})
+        for node_id, command in write.commands:
+            pipe.xadd(commands_key(node_id), {EVENT_FIELD: command.SerializeToString()})
 
     @redis_errors
     def set_progress(self, job_id: str, progress: common_pb2.JobProgress, event: common_pb2.JobEvent) -> None:
         # Progress lives beside the job, not in it: it changes every iteration and must not
         # make state-changing writers lose their compare-and-set race.
         with self._redis.pipeline(transaction=True) as pipe:
-            pipe.set(_progress_key(job_id), progress.SerializeToString())
-            pipe.xadd(_events_key(job_id), {EVENT_FIELD: event.SerializeToString()})
+            pipe.set(progress_key(job_id), progress.SerializeToString())
+            pipe.xadd(events_key(job_id), {EVENT_FIELD: event.SerializeToString()})
             pipe.execute()
 
     @redis_errors
     def append_event(self, job_id: str, event: common_pb2.JobEvent) -> None:
-        self._redis.xadd(_events_key(job_id), {EVENT_FIELD: event.SerializeToString()})
+        self._redis.xadd(events_key(job_id), {EVENT_FIELD: event.SerializeToString()})
 
     @redis_errors
     def record_exit(self, job_id: str, generation: int, rank: int, exit_code: int) -> dict[int, int]:
         """Records a rank's exit code for a generation; returns all exits of that generation."""
-        key = f"{_exits_key(job_id)}:{generation}"
+        key = f"{exits_key(job_id)}:{generation}"
         with self._redis.pipeline(transaction=True) as pipe:
             pipe.hset(key, str(rank), str(exit_code))
             pipe.hgetall(key)
@@ -326,12 +329,12 @@ class RedisStore:
         return {int(r): int(c) for r, c in exits.items()}
 
     def last_event_id(self, job_id: str) -> str:
-        return self._last_id(_events_key(job_id))
+        return self._last_id(events_key(job_id))
 
     def read_events(self, job_id: str, after_id: str, block_ms: int) -> list[tuple[str, common_pb2.JobEvent]]:
         return [
             (event_id, common_pb2.JobEvent.FromString(payload))
-            for event_id, payload in self._read_stream(_events_key(job_id), after_id, block_ms)
+            for event_id, payload in self._read_stream(events_key(job_id), after_id, block_ms)
         ]
 
     # ---- incidents --------------------------------------------------------------------
@@ -360,7 +363,7 @@ class RedisStore:
                 try:
                     self._watch(pipe, *pointers)
                     ids = [raw.decode() if raw is not None else None for raw in pipe.mget(pointers)]
-                    records = [_incident_key(i) for i in ids if i is not None]
+                    records = [incident_key(i) for i in ids if i is not None]
                     current: dict[str, common_pb2.Incident] = {}
                     if records:
                         # Edits by id (update_incident) write the record, not the pointer.
@@ -376,13 +379,13 @@ class RedisStore:
                         results.append((incident, existing is None or existing.incident_id != incident.incident_id))
                     pipe.multi()
                     for pointer, (incident, created) in zip(pointers, results, strict=True):
-                        pipe.set(_incident_key(incident.incident_id), incident.SerializeToString())
+                        pipe.set(incident_key(incident.incident_id), incident.SerializeToString())
                         if created:
                             pipe.set(pointer, incident.incident_id)
                             score = incident.detected.ToNanoseconds()
                             pipe.zadd(INCIDENTS_INDEX, {incident.incident_id: score})
                             if incident.job_id:
-                                pipe.zadd(_job_incidents_key(incident.job_id), {incident.incident_id: score})
+                                pipe.zadd(job_incidents_key(incident.job_id), {incident.incident_id: score})
                     pipe.execute()
                     return results
                 except redis.WatchError:
@@ -396,18 +399,18 @@ class RedisStore:
         """Compare-and-set edit of one incident by id, whether or not it is still the open
         one under its key (a late edit must not overwrite what others wrote since). Returns
         what was stored; None when there is no such incident."""
-        return self._edit_record(_incident_key(incident_id), common_pb2.Incident, edit, f"incident {incident_id}")
+        return self._edit_record(incident_key(incident_id), common_pb2.Incident, edit, f"incident {incident_id}")
 
     @redis_errors
     def get_incident(self, incident_id: str) -> common_pb2.Incident | None:
-        raw = self._redis.get(_incident_key(incident_id))
+        raw = self._redis.get(incident_key(incident_id))
         return common_pb2.Incident.FromString(raw) if raw is not None else None
 
     @redis_errors
     def list_incidents(self, job_id: str = "", limit: int = 200) -> list[common_pb2.Incident]:
-        index = _job_incidents_key(job_id) if job_id else INCIDENTS_INDEX
+        index = job_incidents_key(job_id) if job_id else INCIDENTS_INDEX
         ids = [raw.decode() for raw in self._redis.zrevrange(index, 0, limit - 1)]
-        raws = self._redis.mget([_incident_key(i) for i in ids]) if ids else []
+        raws = self._redis.mget([incident_key(i) for i in ids]) if ids else []
         return [common_pb2.Incident.FromString(raw) for raw in raws if raw is not None]
 
     # ---- nodes ------------------------------------------------------------------------
@@ -416,10 +419,10 @@ class RedisStore:
     def put_node(self, node: common_pb2.Node, now: float) -> str:
         """Stores a node and its heartbeat; returns the end of its command log."""
         with self._redis.pipeline(transaction=True) as pipe:
-            pipe.set(_node_key(node.node_id), node.SerializeToString())
+            pipe.set(node_key(node.node_id), node.SerializeToString())
             pipe.sadd(NODES_INDEX, node.node_id)
-            pipe.set(NODES_VERSION, _new_version())
-            pipe.set(_heartbeat_key(node.node_id), repr(now))
+            pipe.set(NODES_VERSION, new_version())
+            pipe.set(heartbeat_key(node.node_id), repr(now))
             pipe.execute()
         return self.last_command_id(node.node_id)
 
@@ -427,7 +430,7 @@ class RedisStore:
     def get_node(self, node_id: str) -> common_pb2.Node | None:
         if not storable(node_id):
             return None
-        raw = self._redis.get(_node_key(node_id))
+        raw = self._redis.get(node_key(node_id))
         return common_pb2.Node.FromString(raw) if raw is not None else None
 
     @redis_errors
@@ -448,7 +451,7 @@ class RedisStore:
         cached = self._nodes
         if cached is None or cached.version != version:
             ids = sorted(raw.decode() for raw in self._redis.smembers(NODES_INDEX))
-            raws = [raw for raw in (self._redis.mget([_node_key(i) for i in ids]) if ids else []) if raw]
+            raws = [raw for raw in (self._redis.mget([node_key(i) for i in ids]) if ids else []) if raw]
             nodes = [common_pb2.Node.FromString(raw) for raw in raws]
             cached = self._nodes = _NodeCache(version, raws, {node.node_id: node.state for node in nodes})
         return cached
@@ -458,7 +461,7 @@ class RedisStore:
         """The last stored heartbeat (seconds) of each of these nodes that has one."""
         if not node_ids:
             return {}
-        raws = self._redis.mget([_heartbeat_key(node_id) for node_id in node_ids])
+        raws = self._redis.mget([heartbeat_key(node_id) for node_id in node_ids])
         return {node_id: float(raw) for node_id, raw in zip(node_ids, raws, strict=True) if raw is not None}
 
     @redis_errors
@@ -468,7 +471,7 @@ class RedisStore:
         sync per batch instead of one per heartbeat (a thousand nodes beat a thousand times a
         second), and a coordinator taking over still starts from recent times."""
         if beats:
-            self._redis.mset({_heartbeat_key(node_id): repr(at) for node_id, at in beats.items()})
+            self._redis.mset({heartbeat_key(node_id): repr(at) for node_id, at in beats.items()})
 
     def set_node_state(self, node_id: str, state: int, expected: int, now: float) -> bool:
         """Compare-and-set of a node's state; False if it was not `expected` any more."""
@@ -480,7 +483,7 @@ class RedisStore:
         for a rack that vanished, not one per node); returns the nodes that were `expected`
         and now are `state`. A node written meanwhile is read again, so a race is lost only
         to a real change of state (or, fenced, of the lease: NotLeader)."""
-        keys = [_node_key(node_id) for node_id in node_ids]
+        keys = [node_key(node_id) for node_id in node_ids]
         if not keys:
             return []
         for _ in _attempts():
@@ -498,8 +501,8 @@ class RedisStore:
                         return []
                     pipe.multi()
                     for node_id, node in changed:
-                        pipe.set(_node_key(node_id), node.SerializeToString())
-                    pipe.set(NODES_VERSION, _new_version())
+                        pipe.set(node_key(node_id), node.SerializeToString())
+                    pipe.set(NODES_VERSION, new_version())
                     pipe.execute()
                     return [node_id for node_id, _ in changed]
                 except redis.WatchError:
@@ -518,28 +521,28 @@ class RedisStore:
             node.cordoned = cordoned
 
         return self._edit_record(
-            _node_key(node_id),
+            node_key(node_id),
             common_pb2.Node,
             cordon,
             f"node {node_id}",
-            also=lambda pipe: pipe.set(NODES_VERSION, _new_version()),
+            also=lambda pipe: pipe.set(NODES_VERSION, new_version()),
         )
 
     @redis_errors
     def append_command(self, node_id: str, command: node_service_pb2.NodeCommand) -> str:
         payload = {EVENT_FIELD: command.SerializeToString()}
-        command_id: bytes = self._fenced(lambda pipe: pipe.xadd(_commands_key(node_id), payload))[0]
+        command_id: bytes = self._fenced(lambda pipe: pipe.xadd(commands_key(node_id), payload))[0]
         return command_id.decode()
 
     def last_command_id(self, node_id: str) -> str:
-        return self._last_id(_commands_key(node_id))
+        return self._last_id(commands_key(node_id))
 
     def read_commands(
         self, node_id: str, after_id: str, block_ms: int | None = None
     ) -> list[tuple[str, node_service_pb2.NodeCommand]]:
         """The node's commands after `after_id`; block_ms None: what is there now, no wait."""
         out = []
-        for command_id, payload in self._read_stream(_commands_key(node_id), after_id, block_ms):
+        for command_id, payload in self._read_stream(commands_key(node_id), after_id, block_ms):
             command = node_service_pb2.NodeCommand.FromString(payload)
             command.command_id = command_id
             out.append((command_id, command))
@@ -552,7 +555,7 @@ class RedisStore:
         One blocking read watches every node, instead of one per node."""
         if not cursors:
             return {}
-        streams = {_commands_key(node_id): cursor for node_id, cursor in cursors.items()}
+        streams = {commands_key(node_id): cursor for node_id, cursor in cursors.items()}
         reply = self._redis.xread(streams, block=block_ms)
         newest: dict[str, str] = {}
         for key, entries in reply or []:

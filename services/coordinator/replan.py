@@ -5,15 +5,16 @@ carries the plan out (`Replanner`)."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.coordinator import decide, incidents, state, transitions
 from services.coordinator.context import Context
 from services.coordinator.events import EventType, event
 from services.coordinator.planner_client import Planner
 from services.coordinator.registry import NodeRegistry
-from services.coordinator.store import JobWrite
+from services.coordinator.store import JobMutation, JobWrite
 from unicron import incident_trace as trace
 from unicron import redisutil
 from unicron.errors import Conflict, ResourceExhausted, Unavailable, UnicronError
@@ -26,6 +27,9 @@ log = logging.getLogger(__name__)
 # (half an interval later than any healthy node's beat can be).
 QUIET_AFTER_INTERVALS = 1.5
 
+# Jobs per compare-and-set when a re-plan moves many: few enough that a concurrent write to
+# one of them (an acknowledgement, a first iteration) seldom makes the whole batch retry.
+CARRY_OUT_BATCH = 16
 _SOLVED = (planner_service_pb2.SOLVE_STATUS_OPTIMAL, planner_service_pb2.SOLVE_STATUS_FEASIBLE)
 
 
@@ -180,6 +184,7 @@ class Replanner:
         if not request.jobs or not any(node.healthy for node in request.nodes):
             self.schedule.done()
             return
+        asked = time.perf_counter()
         try:
             reply, problem = self._ask(request, why, jobs, hit)
         except Unavailable as exc:
@@ -193,12 +198,23 @@ class Replanner:
         if problem:
             why = f"{why}; {problem}"
         by_id = {node.node_id: node for node in nodes}
-        for change in decide.plan_changes(jobs, reply, hit):
-            try:
-                self._carry_out(change, by_id, why, now)
-            except UnicronError as exc:
-                log.warning("plan step failed", extra={"job_id": change.job_id, "error": str(exc)})
-                self.want(f"retry after: {exc}")
+        read = {job.job_id: job for job in jobs}
+        answered = time.perf_counter()
+        changes = decide.plan_changes(jobs, reply, hit)
+        self._carry_out(changes, by_id, why, now, read)
+        # What a re-plan took, by part: under a burst of lost nodes the time to re-plan is
+        # the planner's answer plus one compare-and-set per job changed.
+        log.info(
+            "re-planned",
+            extra={
+                "why": why,
+                "jobs": len(request.jobs),
+                "changes": len(changes),
+                "planner_s": round(answered - asked, 3),
+                "solve_s": round(reply.solve_seconds, 3),
+                "carry_out_s": round(time.perf_counter() - answered, 3),
+            },
+        )
 
     def _ask(
         self, request: planner_service_pb2.PlanRequest, why: str, jobs: list[common_pb2.Job], hit: set[str]
@@ -231,15 +247,68 @@ class Replanner:
         delay = self.schedule.failed(why, now)
         log.warning("keeping the current plan", extra={"why": why, "problem": problem, "retry_in_s": delay})
 
-    def _carry_out(self, change: decide.Change, nodes: dict[str, common_pb2.Node], why: str, now: float) -> None:
-        """One job's change, as one compare-and-set. Ports and the ranks kept are resolved
-        first, from the job as read now; a job that changed generation or remedy meanwhile
-        is left for the next re-plan (Conflict)."""
+    def _carry_out(
+        self,
+        changes: list[decide.Change],
+        nodes: dict[str, common_pb2.Node],
+        why: str,
+        now: float,
+        read: dict[str, common_pb2.Job],
+    ) -> None:
+        """The plan's changes, CARRY_OUT_BATCH jobs per compare-and-set: under load each
+        round trip waits for the interpreter lock, and a burst moves dozens of jobs. A job
+        whose step cannot be prepared, or that changed generation or remedy since the
+        re-plan read it, is left for the next re-plan."""
+        prepared: dict[str, tuple[decide.Change, JobMutation]] = {}
+        outcome = _Outcome()
+        for change in changes:
+            try:
+                prepared[change.job_id] = (
+                    change,
+                    self._prepare(change, nodes, why, now, read.get(change.job_id), outcome),
+                )
+            except UnicronError as exc:
+                self._failed([change.job_id], exc)
+        ids = list(prepared)
+        for start in range(0, len(ids), CARRY_OUT_BATCH):
+            batch = ids[start : start + CARRY_OUT_BATCH]
+            try:
+                self._ctx.store.update_jobs({job_id: prepared[job_id][1] for job_id in batch})
+            except UnicronError as exc:
+                self._failed(batch, exc)
+                continue
+            for job_id in batch:
+                change = prepared[job_id][0]
+                if job_id in outcome.stale:
+                    self._failed([job_id], Conflict(f"job {job_id} changed while its plan step was prepared"))
+                elif job_id in outcome.wrote:
+                    log.info(
+                        "plan carried out",
+                        extra={"job_id": job_id, "change": change.kind, "slots": change.slots, "why": why},
+                    )
+
+    def _failed(self, job_ids: list[str], exc: UnicronError) -> None:
+        log.warning("plan step failed", extra={"job_id": ",".join(job_ids), "error": str(exc)})
+        self.want(f"retry after: {exc}")
+
+    def _prepare(
+        self,
+        change: decide.Change,
+        nodes: dict[str, common_pb2.Node],
+        why: str,
+        now: float,
+        job: common_pb2.Job | None,
+        outcome: _Outcome,
+    ) -> JobMutation:
+        """One job's change as a compare-and-set mutation. Ports and the ranks kept are
+        resolved first, from `job` as the re-plan read it (else as read now); the mutation
+        writes nothing, and counts the job in `outcome.stale`, if the job changed since."""
         settings = self._ctx.settings
         # From the replan's own view of the nodes: listing a thousand nodes again for each
         # job placed made placing a hundred jobs take seconds of CPU.
         unreachable = frozenset(node_id for node_id, node in nodes.items() if node.state == common_pb2.NODE_STATE_LOST)
-        job = self._ctx.store.get_job(change.job_id)
+        if job is None:
+            job = self._ctx.store.get_job(change.job_id)
         assignment = rank_map = None
         if change.kind != "pause":
             assignment = self.new_assignment(job, change.slots, nodes)
@@ -247,22 +316,20 @@ class Replanner:
                 rank_map = self._reform_map(job, assignment, nodes, unreachable)
         given = StepInputs(now, why, settings.ack_timeout_s, unreachable, assignment, rank_map)
         basis = _basis(job)
-        wrote = False
 
         def mutate(current: common_pb2.Job) -> JobWrite | None:
-            nonlocal wrote
+            # A retried compare-and-set judges again.
+            outcome.stale.discard(current.job_id)
+            outcome.wrote.discard(current.job_id)
             if _basis(current) != basis:
-                raise Conflict(f"job {current.job_id} changed while its plan step was prepared")
+                outcome.stale.add(current.job_id)
+                return None
             out = change_write(current, change, given)
-            wrote = out is not None
+            if out is not None:
+                outcome.wrote.add(current.job_id)
             return out
 
-        self._ctx.store.update_job(change.job_id, mutate)
-        if wrote:
-            log.info(
-                "plan carried out",
-                extra={"job_id": job.job_id, "change": change.kind, "slots": change.slots, "why": why},
-            )
+        return mutate
 
     def _reform_map(
         self,
@@ -320,6 +387,14 @@ class Replanner:
         if port is None:
             raise ResourceExhausted(f"no free rendezvous port left on {master_addr}")
         return port
+
+
+@dataclass
+class _Outcome:
+    """What a re-plan's compare-and-sets did, per job id."""
+
+    wrote: set[str] = field(default_factory=set)
+    stale: set[str] = field(default_factory=set)
 
 
 def _basis(job: common_pb2.Job) -> tuple[int, int]:

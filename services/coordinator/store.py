@@ -49,6 +49,10 @@ class Store(Protocol):
         """Compare-and-set: mutate(current) returns what else to write (None: nothing), the
         job is written at version + 1. Returns the job as stored, with its progress."""
 
+    def update_jobs(self, mutations: Mapping[str, JobMutation]) -> dict[str, common_pb2.Job]:
+        """`update_job` for many jobs as one compare-and-set: every write or none (a mutate
+        that raises, or an unknown job, writes nothing). Returns each job as stored."""
+
     def set_progress(self, job_id: str, progress: common_pb2.JobProgress, event: common_pb2.JobEvent) -> None:
         """Progress is kept beside the job: writing it never loses a job's compare-and-set."""
 

@@ -112,6 +112,37 @@ def test_an_update_that_writes_nothing_or_raises_changes_nothing(store: Store) -
         store.update_job("nope", nothing)
 
 
+def test_many_jobs_update_in_one_write_or_not_at_all(store: Store) -> None:
+    store.create_job(*new_job("j1", "alpha"))
+    store.create_job(*new_job("j2", "beta"))
+    store.create_job(*new_job("j3", "gamma"))
+
+    def place(job: common_pb2.Job) -> JobWrite:
+        job.state = common_pb2.JOB_STATE_SCHEDULED
+        return JobWrite([common_pb2.JobEvent(job_id=job.job_id, message="placed")])
+
+    def nothing(job: common_pb2.Job) -> None:
+        job.state = common_pb2.JOB_STATE_FAILED
+        return None
+
+    def refuse(job: common_pb2.Job) -> JobWrite:
+        raise ValueError("no")
+
+    updated = store.update_jobs({"j1": place, "j2": place, "j3": nothing})
+    assert [(updated[j].version, updated[j].state) for j in ("j1", "j2", "j3")] == [
+        (2, common_pb2.JOB_STATE_SCHEDULED),
+        (2, common_pb2.JOB_STATE_SCHEDULED),
+        (1, common_pb2.JOB_STATE_PENDING),
+    ]
+    assert [e.message for _, e in store.read_events("j2", "0-0", block_ms=0)] == ["submitted", "placed"]
+    with pytest.raises(ValueError):
+        store.update_jobs({"j3": place, "j1": refuse})
+    with pytest.raises(NotFound):
+        store.update_jobs({"j3": place, "nope": place})
+    assert (store.get_job("j3").version, store.get_job("j1").version) == (1, 2)
+    assert store.update_jobs({}) == {}
+
+
 def test_concurrent_updates_each_apply_once(store: Store) -> None:
     store.create_job(*new_job("j1", "alpha"))
 

@@ -96,10 +96,34 @@ def test_recovery_is_read_from_the_events_around_the_first_resume() -> None:
     assert recovery["resumed_at"] == 14.0 and recovery["incident_id"] == "inc-1"
     assert recovery["first_iteration"] == 51
     assert recovery["regained_at"] == 14.6
+    # Iteration 59 done at 14.7; without the failure it would have been at 10.1 + 0.1.
+    assert recovery["lost_s"] == pytest.approx(4.5)
     # The job got further than its progress events show: regain when it is back there.
     assert transition.recovery_from_events(_events(), 10.2, at_least=59)["regained_at"] == 14.7  # type: ignore[index]
     assert transition.recovery_from_events(_events(), detected=15.0) is None
     assert transition.recovery_from_events(_events()[:4], detected=10.2) is None
+
+
+def test_time_lost_is_against_a_failure_free_run() -> None:
+    # Reports in batches of two, 0.5 s an iteration: the mean over the window, not the gaps.
+    done = {i: 100.0 + 0.5 * (i - i % 2) for i in range(40, 61)}
+    assert transition.time_lost(done, 60, next_done=done[60] + 0.5) == pytest.approx(0.0, abs=0.06)
+    assert transition.time_lost(done, 60, next_done=done[60] + 3.5) == pytest.approx(3.0, abs=0.06)
+    assert transition.time_lost(done, 60, next_done=done[60]) == 0.0  # never negative
+    assert transition.time_lost({60: 1.0}, 60, next_done=5.0) is None  # no iteration time
+    # A checkpoint made iteration 50 take 20 s: the iteration time is still 0.5 s.
+    slow = {i: 100.0 + 0.5 * i + (20.0 if i >= 50 else 0.0) for i in range(40, 61)}
+    assert transition.time_lost(slow, 60, next_done=slow[60] + 2.5) == pytest.approx(2.0)
+    assert transition.time_lost(done, 61, next_done=200.0) is None  # the failed-at iteration unseen
+
+
+def test_lost_time_ratio_floors_unicrons_side_at_the_report_batching() -> None:
+    fast = _sample("reattempt", 0.4, lost_s=0.05)
+    (row,) = transition.build_report([fast], [_baseline("reattempt", 5.0, lost_s=12.0)])["actions"]
+    assert (row["lost_s_p50"], row["baseline_lost_s_p50"]) == (0.05, 12.0)
+    assert row["lost_time_speedup"] == pytest.approx(12.0 / transition.LOST_FLOOR_S)
+    (row,) = transition.build_report([_sample("reattempt", 0.4)], [])["actions"]
+    assert row["lost_time_speedup"] is None
 
 
 def _sample(action: str, seconds: float | None, lost: int = 0, source: str = "live", **extra: object) -> Sample:
@@ -125,8 +149,9 @@ def _sample(action: str, seconds: float | None, lost: int = 0, source: str = "li
     return sample
 
 
-def _baseline(action: str, seconds: float | None, lost: int = 8) -> BaselineSample:
+def _baseline(action: str, seconds: float | None, lost: int = 8, lost_s: float | None = None) -> BaselineSample:
     return BaselineSample(
+        lost_s=lost_s,
         action=action,
         step=58,
         world_before=2,

@@ -279,10 +279,10 @@ def cluster() -> tuple[Coordinator, MemoryStore, Clock]:
     return coordinator, store, clock
 
 
-def submit_and_place(coordinator: Coordinator, data: int = 2) -> pb.Job:
+def submit_and_place(coordinator: Coordinator, data: int = 2, name: str = "tiny") -> pb.Job:
     spec = jobspec.spec_from_dict(
         {
-            "name": "tiny",
+            "name": name,
             "program": {"entry_point": "examples.gpt.train:main"},
             "parallelism": {"data": data, "min_data": 1},
             "training": {"iterations": 50, "global_batch_size": 12},
@@ -350,6 +350,42 @@ def test_a_lost_node_is_replanned_away_without_redis(cluster: tuple[Coordinator,
     assert lost not in decide.nodes_of(moved) and moved.assignment.world_size == 2
     assert moved.state == state.RECOVERING and moved.assignment.generation > job.assignment.generation
     assert {i.kind for i in coordinator.list_incidents()} == {pb.FAILURE_KIND_NODE_LOST}
+
+
+def test_a_vanished_rack_opens_one_incident_per_job_and_moves_them_all(
+    cluster: tuple[Coordinator, MemoryStore, Clock],
+) -> None:
+    """Four nodes of one rack vanish in one reconcile step: each of the jobs placed there gets
+    one incident holding a report per node it lost (written together), and one re-plan moves
+    them all to the other rack; a job that had ended opens nothing."""
+    coordinator, _, clock = cluster
+    for i in range(3, 9):
+        coordinator.register_node(f"n{i}", f"10.9.0.{i}:7000", 1, "rack-b" if i > 4 else "rack-a")
+    jobs = [submit_and_place(coordinator, name=f"tiny-{i}") for i in range(3)]
+    for job in jobs:
+        iterate(coordinator, job, 1, range(2))
+    ended = jobs[2]
+    coordinator.cancel(ended.job_id, "done with it")
+    lost = set(decide.nodes_of(jobs[0])) | set(decide.nodes_of(jobs[1])) | set(decide.nodes_of(ended))
+    assert len(lost) == 6  # one node per rank: every node of the cluster but two
+    survivors = {f"n{i}" for i in range(1, 9)} - lost
+    for _ in range(4):
+        clock.now += 1.0
+        for node_id in survivors:
+            coordinator.heartbeat(node_id)
+        coordinator.reconcile_once()
+    by_job: dict[str, list[pb.Incident]] = {}
+    for incident in coordinator.list_incidents():
+        if incident.job_id:
+            by_job.setdefault(incident.job_id, []).append(incident)
+    assert set(by_job) == {jobs[0].job_id, jobs[1].job_id}
+    for job in jobs[:2]:
+        (incident,) = by_job[job.job_id]
+        assert incident.kind == pb.FAILURE_KIND_NODE_LOST and incident.remedy == pb.REMEDY_RECONFIGURE
+        assert {r.node_id for r in incident.reports} == set(decide.nodes_of(job))
+    moved = [coordinator.get(job.job_id) for job in jobs[:2]]
+    assert all(set(decide.nodes_of(job)) <= survivors for job in moved if job.assignment.world_size)
+    assert any(job.assignment.generation > 1 for job in moved)
 
 
 def test_a_peers_network_error_after_a_reconfigure_began_heals_nothing_twice(
