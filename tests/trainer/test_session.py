@@ -83,12 +83,8 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def data_parallel_rounding(reference: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> float:
-    """How far a failure-free run at data-parallel 2 ends from the one at 1: the same
-    mathematics, summed in another order (each rank's half-batch matmul, then the all-reduce).
-    On a CPU whose kernels block the sums differently this alone can pass 1e-6 over 20 Adam
-    steps (seen: 1.4e-6 on an AVX2 machine), so a run that changed its degree is held to
-    what changing the degree costs by itself, and never to less than 1e-6."""
+def reference_dp2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The final state of a failure-free run at data-parallel 2."""
     work = tmp_path_factory.mktemp("reference-dp2")
     agent = FakeAgent()
     try:
@@ -97,7 +93,17 @@ def data_parallel_rounding(reference: dict[str, Any], tmp_path_factory: pytest.T
         agent.stop()
     for result in results:
         assert result.returncode == 0, result.log[-3000:]
-    return distance(final_state(work / "ckpt"), reference)
+    return final_state(work / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def data_parallel_rounding(reference: dict[str, Any], reference_dp2: dict[str, Any]) -> float:
+    """How far a failure-free run at data-parallel 2 ends from the one at 1: the same
+    mathematics, summed in another order (each rank's half-batch matmul, then the all-reduce).
+    On a CPU whose kernels block the sums differently this alone can pass 1e-6 over 20 Adam
+    steps (seen: 1.4e-6 on an AVX2 machine), so a run that changed its degree is held to
+    what changing the degree costs by itself, and never to less than 1e-6."""
+    return distance(reference_dp2, reference)
 
 
 @pytest.fixture
@@ -106,6 +112,23 @@ def agents() -> Iterator[list[Any]]:
     yield made
     for agent in made:
         agent.stop()
+
+
+def fail_rank_1(
+    moves: dict[ProcessKey, int], fault: str, tmp_path: Path, agents: list[Any]
+) -> tuple[ReformAgent, list[Any]]:
+    """Two ranks train, checkpointing under tmp_path/ckpt; `fault` is injected into rank 1,
+    and at the first error the agent reforms `moves` (process -> new rank) into a new group
+    of that many ranks. Returns the agent and both ranks' results."""
+    port, new_port = free_port(), free_port()
+    agent = ReformAgent(moves, generation=2, world_size=len(moves), port=new_port, when=ReformAgent.any_error)
+    agents.append(agent)
+    faults = trainer_env(fault_injection=True, faults=(fault,))
+    ranks = [
+        start_trainer(agent.address, digits_spec(), r, 2, port, tmp_path, 1, tmp_path / "ckpt", faults if r else None)
+        for r in (0, 1)
+    ]
+    return agent, [t.wait() for t in ranks]
 
 
 def test_a_failure_free_run_learns_and_checkpoints_its_whole_state(reference: dict[str, Any]) -> None:
@@ -120,22 +143,34 @@ def test_shrink_by_reform_keeps_the_state_exact(
     """World 2; rank 1 exits inside iteration 8's gradient all-reduce; rank 0 reports the
     broken group, reforms into world 1 and trains on with the whole global batch: it ends
     where a failure-free run at 1 does, up to the rounding that 7 steps at 2 bring."""
-    port, new_port = free_port(), free_port()
-    agent = ReformAgent({(1, 0): 0}, generation=2, world_size=1, port=new_port, when=ReformAgent.any_error)
-    agents.append(agent)
-    faults = trainer_env(fault_injection=True, faults=("exit@8",))
+    agent, results = fail_rank_1({(1, 0): 0}, "exit@8", tmp_path, agents)
     root = tmp_path / "ckpt"
-    ranks = [
-        start_trainer(agent.address, digits_spec(), r, 2, port, tmp_path, 1, root, faults if r else None)
-        for r in (0, 1)
-    ]
-    results = [t.wait() for t in ranks]
     assert results[1].returncode == 3, results[1].log[-2000:]
     assert results[0].returncode == 0, results[0].log[-3000:]
     reports = agent.of((1, 0), "iteration")
     assert [(r.iteration, r.generation) for r in reports] == [(i, 1 if i < 8 else 2) for i in range(1, ITERATIONS + 1)]
     assert (reports[7].state_source, reports[7].restored_iteration) == ("live", 7)
     assert_same_state(final_state(root), reference, max(1e-6, data_parallel_rounding))
+
+
+def test_a_reattempt_finishes_the_iteration_from_its_gradients(
+    reference_dp2: dict[str, Any], tmp_path: Path, agents: list[Any]
+) -> None:
+    """World 2; rank 1's all-reduce of iteration 8 raises a collective timeout and the agent
+    answers with a reform of the same two ranks (a reattempt). Rank 1 takes it inside
+    all_reduce_gradients and does only the all-reduce again, in the new group, from the
+    gradients it had computed: its loop never sees the failure, and the run ends where a
+    failure-free run at 2 does."""
+    agent, results = fail_rank_1({(1, 0): 0, (1, 1): 1}, "exception:collective_timeout:allreduce@8", tmp_path, agents)
+    root = tmp_path / "ckpt"
+    for result in results:
+        assert result.returncode == 0, result.log[-3000:]
+    # Rank 1 failed inside the all-reduce; rank 0 is there too, or (when the reform reached
+    # it first) takes it at the iteration's start and computes the iteration in the new group.
+    assert "finishing the interrupted iteration from its computed gradients" in results[1].log, results[1].log[-3000:]
+    reports = agent.of((1, 0), "iteration")
+    assert [(r.iteration, r.generation) for r in reports] == [(i, 1 if i < 8 else 2) for i in range(1, ITERATIONS + 1)]
+    assert_same_state(final_state(root), reference_dp2)
 
 
 def test_grow_takes_the_state_from_a_live_peer(reference: dict[str, Any], tmp_path: Path, agents: list[Any]) -> None:

@@ -65,6 +65,16 @@ def test_checks_pass_and_fail() -> None:
     rows = [row(1024, "reattempt", 0.5, 8.0), row(1024, "restart", 0.4, 5.0)]
     verdicts = {c["check"]: c["met"] for c in sizes.checks(rows)}
     assert verdicts == {"reattempt <= restart": False, "reattempt >= 10x checkpoint restart": False}
+    # Time lost is judged too, and no check rests on a row with a failed sample.
+    good = {**row(1024, "reattempt", 0.3, 12.0), "lost_time_speedup": 15.0}
+    assert {c["check"]: c["met"] for c in sizes.checks([good, row(1024, "restart", 0.4, 5.0)])} == {
+        "reattempt <= restart": True,
+        "reattempt >= 10x checkpoint restart": True,
+        "reattempt loses 10x less time": True,
+    }
+    broken = {**row(1024, "restart", 0.4, 5.0), "errors": ["the first incident is HOST_MEMORY_LOW"]}
+    (first, *_) = sizes.checks([good, broken])
+    assert first["check"] == "reattempt <= restart" and not first["met"] and first["failed_samples"]
 
 
 def test_the_fit_file_names_the_simulators_actions() -> None:

@@ -157,7 +157,9 @@ def teardown(trainer: Trainer | None) -> str:
     _forget_megatron_groups()
     if dist.is_initialized():
         dist.destroy_process_group()
+    collecting = time.perf_counter()
     gc.collect()
+    log.debug("garbage collected", extra={"seconds": round(time.perf_counter() - collecting, 3)})
     return backend
 
 
@@ -192,9 +194,16 @@ def park(trainer: Trainer) -> Parked:
     """Captures ``trainer``'s state and leaves the process group at once, while the decision
     on the error is awaited: peers blocked in a collective with this rank fail now and report
     too, and the reform that follows only has to join the new group. ``trainer`` is released."""
+    started = time.perf_counter()
     partial = trainer.partial_step()
     held = capture(trainer)
-    return Parked(held, teardown(trainer), partial)
+    captured = time.perf_counter()
+    backend = teardown(trainer)
+    log.info(
+        "left the process group",
+        extra={"capture_s": round(captured - started, 3), "teardown_s": round(time.perf_counter() - captured, 3)},
+    )
+    return Parked(held, backend, partial)
 
 
 class ReformFailed(Exception):

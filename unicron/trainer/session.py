@@ -27,6 +27,7 @@ data-parallel ranks is then the global batch's mean."""
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import logging
@@ -148,6 +149,11 @@ class Session:
     def __init__(self, training: Training | None = None, *, checkpoint_dir: str = "") -> None:
         from unicron.trainer import loop
 
+        # What the imports created lives as long as the process: out of the garbage
+        # collector's sight, the full collection of a reform (reform.teardown) is no longer
+        # seconds on a loaded machine. Before the first group forms, as in loop.train, so no
+        # process group is ever frozen.
+        gc.freeze()
         run = runtime.current()
         if run is None:
             run = runtime.attach_local(loop.local_spec(training or Training()), checkpoint_dir)
@@ -160,6 +166,9 @@ class Session:
             torch.cuda.set_device(loop.cuda_device(torch.cuda.device_count(), run.rank))
         self._from_peer = loop.join_first_group(run, "nccl" if self._device == "cuda" else "gloo")
         self._trainer: TorchTrainer | None = None
+        # Seconds of the current step spent recovering inside all_reduce_gradients: not the
+        # step's compute, which its report says.
+        self._paused_s = 0.0
         self._flops_per_token = 0.0
         self._writer: Any = None
 
@@ -232,13 +241,30 @@ class Session:
 
     def all_reduce_gradients(self, model: torch.nn.Module) -> None:
         """Averages the gradients of ``model`` over the data-parallel ranks of the current
-        process group (after backward, before the optimizer's step)."""
+        process group (after backward, before the optimizer's step).
+
+        When the all-reduce fails and the agent's answer is a reform that keeps this rank's
+        place (the same iteration, data-parallel size and rank: a reattempt), the reform is
+        taken here and only the all-reduce is done again, in the new group, from the gradients
+        this rank had computed; the loop body goes on as if nothing happened. Otherwise the
+        step is redone whole (``with step``)."""
         # Faults injected for this iteration fire here, inside the step: a plain loop's step
         # has no earlier point the library sees.
         self._run.injector.before_step(self._run.iteration + 1)
+        while True:
+            # References, not copies: a reform drops the parameters' gradients (the state is
+            # loaded again), these tensors stay as backward left them.
+            held = [(p, p.grad) for p in model.parameters() if p.grad is not None]
+            try:
+                self._all_reduce([g for _, g in held])
+                return
+            except Exception as exc:
+                if not self._finish_here(exc, held):
+                    raise
+
+    def _all_reduce(self, grads: list[torch.Tensor]) -> None:
         if self._trainer is not None and self._trainer.grad_sync_hook is not None:
             self._trainer.grad_sync_hook()
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
         if not grads or self.world_size == 1:
             return
         flat = torch.cat([g.reshape(-1) for g in grads])
@@ -249,6 +275,28 @@ class Session:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
 
+    def _finish_here(self, exc: Exception, held: list[tuple[torch.nn.Parameter, torch.Tensor]]) -> bool:
+        """After a failed all-reduce: reports ``exc`` and takes the agent's decision. True: the
+        rank reformed and keeps its place, its gradients are back, the all-reduce is to be done
+        again. Raises StepRedone when the step must be redone whole (another place, or a stop),
+        and returns False when the error ends the rank (reported already)."""
+        place = (self._run.iteration + 1, self.world_size, self.rank)
+        started = time.perf_counter()
+        runtime.release_frames(exc)
+        if not self._recover(exc):
+            return False
+        self._paused_s += time.perf_counter() - started
+        assert self._trainer is not None
+        if self._run.stop.is_set() or (self._trainer.iteration + 1, self.world_size, self.rank) != place:
+            raise StepRedone
+        for param, grad in held:
+            param.grad = grad
+        log.info(
+            "finishing the interrupted iteration from its computed gradients",
+            extra={"iteration": place[0], "world_size": place[1]},
+        )
+        return True
+
     def steps(self) -> Iterator[Step]:
         """The job's remaining iterations, one Step each; a step that failed and was reformed
         comes again. Ends at the last iteration (after telling the agent), or when stopped."""
@@ -258,6 +306,10 @@ class Session:
             raise ProgramError("register(model=..., optimizer=...) must come before steps()")
         run, config = self._run, self._run.config
         interval = self.training.checkpoint_interval
+        # And what the program built before its loop (its data, the libraries it imported for
+        # them): the model and data live as long as the loop. The process group is not in a
+        # reference cycle (it is freed when destroyed), so freezing it too keeps nothing alive.
+        gc.freeze()
         while run.iteration < self.training.iterations and not run.stop.is_set():
             reform = runtime.poll_reform(run)
             if reform is not None:  # at a boundary: nothing in flight
@@ -285,6 +337,15 @@ class Session:
     def _failed(self, step: Step, exc: BaseException) -> bool:
         """What ``with step`` does with an error: True when the step is to be redone (after a
         reform), False to let the error end the rank."""
+        if isinstance(exc, StepRedone):
+            return True  # reformed already, inside all_reduce_gradients
+        if exc is self._run.reported:
+            return False  # reported and answered already, inside all_reduce_gradients
+        return self._recover(exc)
+
+    def _recover(self, exc: BaseException) -> bool:
+        """Reports ``exc`` and takes the agent's decision: True when the rank reformed (or was
+        stopped: ``run.stop`` is set), False when the error ends the rank."""
         from unicron.trainer import loop
         from unicron.trainer import reform as reforming
 
@@ -310,6 +371,11 @@ class Session:
         return True
 
 
+class StepRedone(Exception):
+    """Raised out of ``all_reduce_gradients`` when a reform taken there did not keep the rank's
+    place: ``with step`` catches it and the step comes again, whole, in the new group."""
+
+
 class Step:
     """One iteration of the user's loop. ``with step:`` catches what the body raises."""
 
@@ -332,10 +398,11 @@ class Step:
 
     def __enter__(self) -> Step:
         self._started = time.perf_counter()
+        self.session._paused_s = 0.0
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> bool:
-        self.seconds = time.perf_counter() - self._started
+        self.seconds = time.perf_counter() - self._started - self.session._paused_s
         if exc is None:
             return False
         if not isinstance(exc, Exception):
