@@ -152,7 +152,8 @@ class Session:
         # What the imports created lives as long as the process: out of the garbage
         # collector's sight, the full collection of a reform (reform.teardown) is no longer
         # seconds on a loaded machine. Before the first group forms, as in loop.train, so no
-        # process group is ever frozen.
+        # process group is ever frozen. Collected first: frozen garbage would never be freed.
+        gc.collect()
         gc.freeze()
         run = runtime.current()
         if run is None:
@@ -309,6 +310,7 @@ class Session:
         # And what the program built before its loop (its data, the libraries it imported for
         # them): the model and data live as long as the loop. The process group is not in a
         # reference cycle (it is freed when destroyed), so freezing it too keeps nothing alive.
+        gc.collect()
         gc.freeze()
         while run.iteration < self.training.iterations and not run.stop.is_set():
             reform = runtime.poll_reform(run)
