@@ -48,6 +48,8 @@ MIN_MONITOR_WAIT_S = 0.005
 PEER_CHECK_REUSE_S = 1.0
 STACK_WAIT_S = 0.1
 STACK_BYTES = 16 * 1024
+# How long a clean exit's report waits for the rank's last messages to be handled.
+DRAIN_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -372,6 +374,10 @@ class Agent:
             stderr_tail=exit.stderr_tail,
         )
         request.exited.FromNanoseconds(int(exit.exited_at * 1e9))
+        if exit.exit_code == 0 and exit.signal == 0:
+            # A clean exit is judged by the last iteration: the rank's final reports must be
+            # counted first, or a finished rank reads as one that returned early.
+            self.link.wait_drained(exit.key, DRAIN_S)
         request.last_iteration = self.watch.last_iteration_of((exit.key.job_id, exit.key.generation), exit.key.rank)
         self.link.forget(exit.key)
         if not self.supervisor.running(exit.key.job_id):

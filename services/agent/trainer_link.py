@@ -10,7 +10,7 @@ import math
 import queue
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -58,6 +58,8 @@ class _Stream:
 
     key: WorkerKey
     outbox: queue.Queue[pb.ConnectResponse | None]
+    # Set once every message the trainer sent has been handled (its stream ended).
+    drained: threading.Event = field(default_factory=threading.Event)
 
 
 class TrainerLink(trainer_service_pb2_grpc.TrainerAgentServiceServicer):
@@ -138,6 +140,14 @@ class TrainerLink(trainer_service_pb2_grpc.TrainerAgentServiceServicer):
             self._streams[new] = stream
         return True
 
+    def wait_drained(self, key: WorkerKey, timeout_s: float) -> bool:
+        """Waits until the trainer of `key` (whose process ended) has had every message it
+        sent handled: its last iteration reports can still be queued in its stream when the
+        supervisor sees the exit. False when that took longer than `timeout_s`."""
+        with self._lock:
+            stream = self._streams.get(key)
+        return stream is None or stream.drained.wait(timeout_s)
+
     def forget(self, key: WorkerKey) -> None:
         """The trainer of `key` is gone: nothing is held for it any more."""
         with self._lock:
@@ -167,6 +177,7 @@ class TrainerLink(trainer_service_pb2_grpc.TrainerAgentServiceServicer):
         except grpc.RpcError:
             pass  # the trainer went away; its exit status is reported by the supervisor
         finally:
+            stream.drained.set()
             stream.outbox.put(None)
 
     def _handle(self, key: WorkerKey, message: pb.ConnectRequest) -> None:
