@@ -152,51 +152,39 @@ _KEPT = (
 
 def checks(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Issue 18's item 3, per size: reattempt no slower than restart, and at least 10x the
-    checkpoint restart, with the margin each has."""
+    checkpoint restart (time to training again, and time lost), with the margin each has."""
     out = []
     for width in sorted({r["width"] for r in rows}):
         by = {r["action"]: r for r in rows if r["width"] == width}
         reattempt, restart = by.get("reattempt", {}), by.get("restart", {})
         r_p50, s_p50 = reattempt.get("p50_s"), restart.get("p50_s")
         if r_p50 is not None and s_p50 is not None:
-            out.append(
-                {
-                    "width": width,
-                    "check": "reattempt <= restart",
-                    "value": r_p50,
-                    "limit": s_p50,
-                    "margin": round(s_p50 / r_p50, 2) if r_p50 else None,
-                    "met": r_p50 <= s_p50 and not _failed(reattempt, restart),
-                    "failed_samples": _failed(reattempt, restart),
-                }
-            )
-        speedup = reattempt.get("speedup")
-        if speedup is not None:
-            out.append(
-                {
-                    "width": width,
-                    "check": "reattempt >= 10x checkpoint restart",
-                    "value": speedup,
-                    "limit": 10.0,
-                    "margin": round(speedup / 10.0, 2),
-                    "met": speedup >= 10.0 and not _failed(reattempt),
-                    "failed_samples": _failed(reattempt),
-                }
-            )
-        lost = reattempt.get("lost_time_speedup")
-        if lost is not None:
-            out.append(
-                {
-                    "width": width,
-                    "check": "reattempt loses 10x less time",
-                    "value": lost,
-                    "limit": 10.0,
-                    "margin": round(lost / 10.0, 2),
-                    "met": lost >= 10.0 and not _failed(reattempt),
-                    "failed_samples": _failed(reattempt),
-                }
-            )
+            margin = round(s_p50 / r_p50, 2) if r_p50 else None
+            out.append(_check(width, "reattempt <= restart", r_p50, s_p50, margin, r_p50 <= s_p50, reattempt, restart))
+        for check, key in (
+            ("reattempt >= 10x checkpoint restart", "speedup"),
+            ("reattempt loses 10x less time", "lost_time_speedup"),
+        ):
+            ratio = reattempt.get(key)
+            if ratio is not None:
+                out.append(_check(width, check, ratio, 10.0, round(ratio / 10.0, 2), ratio >= 10.0, reattempt))
     return out
+
+
+def _check(
+    width: int, check: str, value: float, limit: float, margin: float | None, passed: bool, *rows: dict[str, Any]
+) -> dict[str, Any]:
+    """One verdict; not met when any of `rows` has a failed sample, whatever the value."""
+    failed = _failed(*rows)
+    return {
+        "width": width,
+        "check": check,
+        "value": value,
+        "limit": limit,
+        "margin": margin,
+        "met": passed and not failed,
+        "failed_samples": failed,
+    }
 
 
 def _failed(*rows: dict[str, Any]) -> list[str]:
