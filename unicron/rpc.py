@@ -347,22 +347,33 @@ def target(address: str) -> str:
 
 
 def channel(
-    address: str, security: ClientSecurity | None = None, default_timeout_s: float = DEFAULT_CALL_TIMEOUT_S
+    address: str,
+    security: ClientSecurity | None = None,
+    default_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
+    own_connection: bool = False,
 ) -> grpc.Channel:
     """A client channel with the shared options and tracing interceptors; `address` may
     list several servers, comma-separated, of which one serves (see `target`). `security`
-    None: plaintext, no token (in-process tests; services pass their configuration's)."""
+    None: plaintext, no token (in-process tests; services pass their configuration's).
+
+    Channels to one address share one TCP connection in gRPC unless `own_connection`: on a
+    lossy link, one lost segment holds back every stream behind it until TCP retransmits it
+    (head-of-line blocking), so a small stream that must arrive on time (heartbeats) is best
+    alone on its connection."""
     token = security.token if security is not None else ""
-    raw = _raw_channel(address, security)
+    options = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)] if own_connection else CHANNEL_OPTIONS
+    raw = _raw_channel(address, security, options)
     return telemetry.traced_channel(grpc.intercept_channel(raw, client_interceptor(token, default_timeout_s)))
 
 
-def _raw_channel(address: str, security: ClientSecurity | None) -> grpc.Channel:
+def _raw_channel(
+    address: str, security: ClientSecurity | None, options: Sequence[tuple[str, Any]] = CHANNEL_OPTIONS
+) -> grpc.Channel:
     resolved = target(address)
     credentials = security.credentials() if security is not None else None
     if credentials is None:
-        return grpc.insecure_channel(resolved, options=CHANNEL_OPTIONS)
-    return grpc.secure_channel(resolved, credentials, options=[*CHANNEL_OPTIONS, *_tls_name(address, resolved)])
+        return grpc.insecure_channel(resolved, options=options)
+    return grpc.secure_channel(resolved, credentials, options=[*options, *_tls_name(address, resolved)])
 
 
 def _tls_name(address: str, resolved: str) -> list[tuple[str, str]]:

@@ -54,6 +54,12 @@ class CoordinatorClient:
         is known only once it serves); `on_command` runs each command, in order."""
         self.node_id = node_id
         self.stub = node_service_pb2_grpc.NodeServiceStub(rpc.channel(coordinator_address, security))
+        # Heartbeats on a connection of their own: behind reports and commands, a segment
+        # lost on a lossy link can hold them back past the heartbeat timeout (seen in CI at
+        # 25% loss: a false NODE_LOST).
+        self._beat_stub = node_service_pb2_grpc.NodeServiceStub(
+            rpc.channel(coordinator_address, security, own_connection=True)
+        )
         self._registration = registration
         self._on_command = on_command
         self._stop = threading.Event()
@@ -191,7 +197,7 @@ class CoordinatorClient:
                 yield pb.StreamHeartbeatsRequest(node_id=self.node_id)
                 done.wait(self._heartbeat_s)
 
-        replies = self.stub.StreamHeartbeats(beats())
+        replies = self._beat_stub.StreamHeartbeats(beats())
         answered = False
         try:
             with self._open(replies):

@@ -580,7 +580,86 @@ def test_a_group_on_a_store_that_outlives_it_counts_only_its_own_attempt() -> No
         )  # fmt: skip
         assert dist.get_world_size() == 1
         arrived = dist.PrefixStore("unicron/torchelastic-attempt-1/", agent_store).add("unicron/arrived", 0)
-        assert arrived == 1
+        assert arrived == reform._SEALED + 1  # one rank in, and sealed
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+# --- counting in: a rank that leaves takes its count back, unless the group is sealed ----------
+
+
+def _arrival_store() -> Any:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from unicron.redisutil import free_port
+
+    return dist.TCPStore(
+        "127.0.0.1", free_port(), is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10)
+    )
+
+
+def test_a_superseded_rank_takes_its_count_back_so_the_group_never_forms_without_it() -> None:
+    import time
+
+    from unicron.trainer import reform
+
+    store = _arrival_store()
+    store.add(reform._ARRIVED_KEY, 1)  # of three ranks, one is in and waits
+    with pytest.raises(reform.Superseded):
+        reform._arrive(store, 3, lambda: True, time.monotonic() + 10, "here", 10)
+    assert store.add(reform._ARRIVED_KEY, 0) == 1
+    with pytest.raises(TimeoutError, match="2 of 3 ranks arrived"):
+        reform._arrive(store, 3, lambda: False, time.monotonic() - 1, "here", 10)
+    assert store.add(reform._ARRIVED_KEY, 0) == 1
+
+
+def test_the_last_rank_in_seals_the_group_even_when_a_newer_reform_is_waiting() -> None:
+    import time
+
+    from unicron.trainer import reform
+
+    store = _arrival_store()
+    store.add(reform._ARRIVED_KEY, 1)  # the other rank of two is in, about to form the group
+    reform._arrive(store, 2, lambda: True, time.monotonic() + 10, "here", 10)
+    assert store.add(reform._ARRIVED_KEY, 0) == reform._SEALED + 2
+
+
+def test_a_rank_sealed_in_while_it_was_leaving_stays() -> None:
+    """The last other rank comes in and seals between this rank's look at the count and its
+    leaving: the others are already forming the group with it, so it stays."""
+    import time
+
+    from unicron.trainer import reform
+
+    store = _arrival_store()
+    store.add(reform._ARRIVED_KEY, 1)
+
+    def sealed_meanwhile() -> bool:
+        store.add(reform._ARRIVED_KEY, 1)
+        store.compare_set(reform._ARRIVED_KEY, "3", str(reform._SEALED + 3))
+        return True
+
+    reform._arrive(store, 3, sealed_meanwhile, time.monotonic() + 10, "here", 10)
+    assert store.add(reform._ARRIVED_KEY, 0) == reform._SEALED + 3
+
+
+def test_a_group_after_a_failed_one_has_the_name_its_peers_expect() -> None:
+    """A failed ``init_process_group`` counts a group but leaves no world to destroy; the
+    next group must still be named "0", as on its peers that had no failure, or each side
+    waits for the other's address under another name until the timeout."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from unicron.redisutil import free_port
+    from unicron.trainer import reform
+
+    dist.distributed_c10d._world.group_count = 1  # as a failed attempt leaves it
+    reform.join(0, 1, "127.0.0.1", free_port(), timedelta(seconds=10), "gloo", namespace="unicron/gen-3/")
+    try:
+        assert dist.distributed_c10d._get_process_group_name(dist.distributed_c10d._get_default_group()) == "0"
+    finally:
+        dist.destroy_process_group()

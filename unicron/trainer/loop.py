@@ -213,6 +213,13 @@ def _first_trainer(run: Run, program: MegatronProgram, training: Training, use_c
     return trainer
 
 
+def generation_namespace(generation: int) -> str:
+    """Where a generation's group keeps its keys on its rank 0's store: the previous
+    generation's store may still listen on the same port (its process slow to exit), and its
+    keys must not count as this generation's."""
+    return f"unicron/gen-{generation}/"
+
+
 def join_first_group(run: Run, backend: str) -> bool:
     """Joins the process group this process was started for, or the newer one of a reform
     that arrives while it waits (a peer died before the group formed): then as a rank
@@ -227,8 +234,11 @@ def join_first_group(run: Run, backend: str) -> bool:
     # forms its group under keys of its own.
     agent_store = not run.supervised and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    namespace = f"unicron/torchelastic-attempt-{attempt}/" if agent_store else ""
     while True:
+        if agent_store:
+            namespace = f"unicron/torchelastic-attempt-{attempt}/"
+        else:
+            namespace = generation_namespace(run.generation) if run.supervised else ""
         try:
             reforming.join(
                 run.rank,
@@ -344,6 +354,7 @@ def _reform_once(
         parked=parked,
         snapshot_dir=config.snapshot_dir,
         superseded=lambda: reform_waiting(run),
+        namespace=generation_namespace(reform.generation),
     )
     if run.injector.enabled:
         new.grad_sync_hook = run.injector.in_grad_sync

@@ -90,6 +90,8 @@ SOURCE_PEER = "peer"
 NO_STATE = -1
 _ARRIVED_KEY = "unicron/arrived"
 _ARRIVAL_POLL_S = 0.01
+# Added to the arrival count once every rank is in: the group is sealed (see _arrive).
+_SEALED = 1_000_000
 
 
 class Superseded(RuntimeError):
@@ -230,8 +232,9 @@ def join(
     """``init_process_group`` of a new group: waits until all ``world_size`` ranks arrive, at
     most ``timeout``. Raises Superseded as soon as ``superseded()`` turns true on the way.
     ``namespace`` prefixes every key of the group on the store: a store that outlives the
-    group (torchrun's, across its restarts) would otherwise count a dead attempt's ranks as
-    arrived and hand out their addresses. ``store_exists``: a store already serves at
+    group (torchrun's, across its restarts; an older generation's, in a process slow to exit,
+    on the port this one reuses) would otherwise count a dead attempt's ranks as arrived and
+    hand out their addresses. ``store_exists``: a store already serves at
     ``master_addr:master_port`` (torchrun's agent's), so rank 0 connects instead of serving.
 
     torch's own rendezvous waits for the ranks inside C++ (``init_method="tcp://..."``), where
@@ -255,16 +258,8 @@ def join(
     )
     if namespace:
         store = dist.PrefixStore(namespace, store)
-    store.add(_ARRIVED_KEY, 1)
-    while (arrived := store.add(_ARRIVED_KEY, 0)) < world_size:
-        if superseded():
-            raise Superseded(f"a newer reform arrived while {arrived} of {world_size} ranks had joined")
-        if time.monotonic() >= deadline:
-            raise TimeoutError(
-                f"rendezvous timed out: {arrived} of {world_size} ranks arrived at {master_addr}:{master_port}"
-                f" within {timeout.total_seconds():g}s"
-            )
-        time.sleep(_ARRIVAL_POLL_S)
+    _arrive(store, world_size, superseded, deadline, f"{master_addr}:{master_port}", timeout.total_seconds())
+    _reset_group_names()
     dist.init_process_group(
         backend=backend or ("nccl" if torch.cuda.is_available() else "gloo"),
         store=store,
@@ -272,6 +267,57 @@ def join(
         world_size=world_size,
         timeout=timeout,
     )
+
+
+def _reset_group_names() -> None:
+    """The default group is named after torch's count of groups made, which only the
+    destruction of a world sets back to 0. An ``init_process_group`` that failed (a peer left
+    while it formed) left no world to destroy but counted a group: this rank would then
+    publish its address under group "1" while its peers wait for it under "0", each side
+    deaf for the whole timeout (seen: 120 s, then a restart)."""
+    if not dist.is_initialized():
+        dist.distributed_c10d._world.group_count = 0
+
+
+def _arrive(
+    store: dist.Store,
+    world_size: int,
+    superseded: Callable[[], bool],
+    deadline: float,
+    where: str,
+    timeout_s: float,
+) -> None:
+    """Counts this rank in and waits until the group is sealed: all ``world_size`` ranks in,
+    none able to leave any more. A rank that leaves (superseded, or timed out) takes its count
+    back first, unless the group is sealed: a count left behind by a rank that went on to a
+    newer reform would send the others into ``init_process_group`` to wait, deaf, the whole
+    timeout for an address that never comes (seen: a rank joining a grow, 120 s). Once sealed,
+    every rank goes on even if superseded: the others are already forming the group with it,
+    and the newer reform follows as soon as it has formed."""
+    store.add(_ARRIVED_KEY, 1)
+    while True:
+        arrived = store.add(_ARRIVED_KEY, 0)
+        if arrived >= _SEALED:
+            return
+        if arrived == world_size:
+            # Only from exactly "all in": a rank taking its count back at the same moment
+            # makes this fail, and the group is not sealed without it.
+            sealed = store.compare_set(_ARRIVED_KEY, str(world_size), str(_SEALED + world_size))
+            if int(sealed) >= _SEALED:
+                return
+            continue
+        replaced = superseded()
+        if replaced or time.monotonic() >= deadline:
+            if store.add(_ARRIVED_KEY, -1) >= _SEALED:
+                store.add(_ARRIVED_KEY, 1)  # sealed before this rank could leave: it stays
+                log.info("the group was sealed before this rank could leave it; forming it first")
+                return
+            if replaced:
+                raise Superseded(f"a newer reform arrived while {arrived} of {world_size} ranks had joined")
+            raise TimeoutError(
+                f"rendezvous timed out: {arrived} of {world_size} ranks arrived at {where} within {timeout_s:g}s"
+            )
+        time.sleep(_ARRIVAL_POLL_S)
 
 
 def _await_listener(
@@ -312,12 +358,14 @@ def reform(
     parked: Parked | None = None,
     snapshot_dir: str = "",
     superseded: Callable[[], bool] = lambda: False,
+    namespace: str = "",
 ) -> tuple[T, checkpoint.Restored]:
     """Moves this rank from its process group to a new one and returns the new trainer and
     where its state came from. ``trainer`` is released (closed, without model and optimizer).
     ``keep_state=False`` (its state is not consistent, e.g. a step failed halfway through the
     update) makes it a receiver. ``timeout``: of the new group and of Megatron's groups in it.
     ``parked``: the rank left its group already (``park``); its state is the parked one.
+    ``namespace``: of the new group's keys on the store (see ``join``).
 
     Raises ReformFailed, holding the state as it was, when the group cannot be formed or the
     exchange breaks (a peer died meanwhile): a newer reform can still use that state."""
@@ -335,7 +383,7 @@ def reform(
     )
     new: T | None = None
     try:
-        join(new_rank, new_world, master_addr, master_port, timeout, backend, superseded)
+        join(new_rank, new_world, master_addr, master_port, timeout, backend, superseded, namespace)
         new = rebuild(trainer, timeout)
         restored = exchange_state(new, held, checkpoint_dir, corrupt_transfer, snapshot_dir)
     except Exception as exc:  # noqa: BLE001 - whatever broke the new group, the state is intact
