@@ -2,18 +2,18 @@
 (``timings.TransitionFit``: fixed + per byte of the rank's state + rendezvous over the world)
 plus the training the job loses and must redo.
 
-Which action. The coordinator keeps ranks in place through a reform only for whole-model ranks
-(tensor and pipeline degree 1: ``services.coordinator.decide.kept_in_place``). Such a job
+Which action. The coordinator keeps a rank in place through a reform where the new layout
+gives it the same (tensor, pipeline) shard, and a rank that starts takes its shard from a
+data-parallel peer that holds it (``services.coordinator.decide.kept_in_place``; a resized
+model-parallel job's nodes keep their pipeline stages, ``decide.assignment_for``). So a job
 restarts a rank from a live peer (``restart_peer``), drops ranks in place (``shrink``) and adds
-ranks that fetch their state from a peer (``grow``). Any other job restarts the classic way on
-every change, from the nearest state every rank has (architecture.md, Healing): on the same
-nodes, its in-memory snapshot (``restart_snapshot``); when it shrinks with pipeline degree 1,
-also its snapshot (each node keeps its tensor shard); when it shrinks with pipeline stages
-(its nodes' stages move when the data-parallel degree changes: Megatron orders ranks with the
-pipeline outermost) or gains a node (which holds no snapshot), the newest checkpoint
-(``checkpoint_restart``). ``model_parallel_reform=True`` prices every job as if the coordinator
-kept tensor- and pipeline-parallel ranks in place too (the paper's design), for comparison.
-A job the plan starts again after a pause reloads its checkpoint.
+ranks that fetch their state from a peer (``grow``) whenever every shard has a live holder:
+any job with tensor and pipeline degree 1, and a model-parallel one whose data-parallel degree
+is at least 2 (a lost node's shards live on in the other replicas; a shrink or a grow always
+has one). A model-parallel job at data-parallel degree 1 that loses a rank restarts the classic
+way, from its in-memory snapshot (``restart_snapshot``). ``model_parallel_reform=True`` prices
+that case as a reform too (a design that replicates every shard), for comparison. A job the
+plan starts again after a pause reloads its checkpoint (``checkpoint_restart``).
 
 Lost work. A transition from memory (a reattempt, a peer, a shrink, a grow) redoes the
 interrupted iteration: half an iteration on average. A snapshot restart loses what was
@@ -32,21 +32,21 @@ from unicron_sim.timings import TransitionFit
 KINDS = ("reattempt", "restart", "resize", "migrate", "start")
 
 
-def action(job: JobModel, kind: str, model_parallel_reform: bool = False) -> str:
-    """The fitted action (timings.ACTIONS) a change of ``kind`` is for ``job`` (module docstring)."""
+def action(job: JobModel, kind: str, gpus: int, model_parallel_reform: bool = False) -> str:
+    """The fitted action (timings.ACTIONS) a change of ``kind`` is for ``job`` on ``gpus`` GPUs
+    after it (module docstring)."""
     if kind == "reattempt":
         return "reattempt"
     if kind == "start":
         return "checkpoint_restart"
-    in_place = model_parallel_reform or (job.tensor == 1 and job.pipeline == 1)
-    if kind == "restart":
-        return "restart_peer" if in_place else "restart_snapshot"
     if kind == "resize":
-        if in_place:
-            return "shrink"
-        return "restart_snapshot" if job.pipeline == 1 else "checkpoint_restart"
+        return "shrink"
     if kind == "migrate":
-        return "grow" if in_place else "checkpoint_restart"
+        return "grow"
+    if kind == "restart":
+        replicated = gpus // (job.tensor * job.pipeline) >= 2
+        whole = job.tensor == 1 and job.pipeline == 1
+        return "restart_peer" if model_parallel_reform or whole or replicated else "restart_snapshot"
     raise ValueError(f"unknown transition kind {kind!r}; known: {', '.join(KINDS)}")
 
 
@@ -64,7 +64,7 @@ def seconds(job: JobModel, kind: str, gpus: int, fit: TransitionFit, model_paral
     action's fitted time plus the work it loses."""
     if gpus <= 0:
         return 0.0
-    chosen = action(job, kind, model_parallel_reform)
+    chosen = action(job, kind, gpus, model_parallel_reform)
     world = gpus  # one rank per GPU
     moved = fit.seconds(chosen, job.state_bytes_per_rank, world)
     return moved + lost_iterations(job, chosen) * job.iteration_s(gpus)

@@ -200,7 +200,7 @@ def survivor_map(
     unreachable: frozenset[str] = frozenset(),
 ) -> dict[int, int] | None:
     """Old rank -> new rank for the ranks that keep their state through a reform after a
-    failure, or None when the job must restart the classic way.
+    failure, or None when the job must restart the classic way (no rank kept).
 
     A rank that neither waits for a decision nor is gone sits in a collective with a rank
     that is gone or that will leave the old group for the new one: either way the collective
@@ -227,22 +227,47 @@ def live_map(job: common_pb2.Job, assignment: common_pb2.Assignment) -> dict[int
 
 
 def kept_in_place(job: common_pb2.Job, assignment: common_pb2.Assignment, gone: set[int]) -> dict[int, int] | None:
-    """Maps the live ranks on nodes the new assignment keeps to its ranks there. Whole-model
-    ranks only (tensor and pipeline 1: any data-parallel rank's state serves any other);
-    None when no rank is kept."""
+    """Maps the live ranks on nodes the new assignment keeps to its ranks there that hold the
+    same (tensor, pipeline) shard: a rank's state is its shard's, so it goes on in place only
+    where the new layout gives it that shard (any rank, when the job has tensor and pipeline
+    degree 1). A rank keeps its number where it can. None when no rank is kept."""
     par = job.spec.parallelism
-    if par.tensor != 1 or par.pipeline != 1:
-        return None
+    tensor, pipeline = max(par.tensor, 1), max(par.pipeline, 1)
+    old_world, new_world = _world(job.assignment), _world(assignment)
+
+    def old_shard(rank: int) -> tuple[int, int]:
+        return shard_of(rank, old_world, tensor, pipeline)
+
+    def new_shard(rank: int) -> tuple[int, int]:
+        return shard_of(rank, new_world, tensor, pipeline)
+
     new_by_node = {w.node_id: sorted(w.ranks) for w in assignment.workers}
     mapping: dict[int, int] = {}
     for worker in job.assignment.workers:
         alive = sorted(r for r in worker.ranks if r not in gone)
         free = new_by_node.get(worker.node_id, [])
-        same = [r for r in alive if r in free]  # a rank keeps its number where it can
+        same = [r for r in alive if r in free and old_shard(r) == new_shard(r)]
         mapping.update((r, r) for r in same)
-        others = [r for r in alive if r not in same]
-        mapping.update(zip(others, [r for r in free if r not in same], strict=False))
+        left = [r for r in free if r not in same]
+        for rank in alive:
+            if rank in mapping:
+                continue
+            match = next((r for r in left if new_shard(r) == old_shard(rank)), None)
+            if match is not None:
+                mapping[rank] = match
+                left.remove(match)
     return mapping or None
+
+
+def shard_of(rank: int, world: int, tensor: int, pipeline: int) -> tuple[int, int]:
+    """(tensor rank, pipeline rank) of a global rank in Megatron's default order
+    (tp-cp-ep-dp-pp: tensor innermost, pipeline outermost)."""
+    data = max(world // (tensor * pipeline), 1)
+    return rank % tensor, rank // (tensor * data)
+
+
+def _world(assignment: common_pb2.Assignment) -> int:
+    return assignment.world_size or sum(len(w.ranks) for w in assignment.workers)
 
 
 def overdue_workers(now: float, jobs: Iterable[common_pb2.Job]) -> list[tuple[str, str]]:
@@ -285,9 +310,12 @@ def assignment_for(
     slots: Mapping[str, int],
     nodes: Mapping[str, common_pb2.Node],
     generation: int,
+    previous: common_pb2.Assignment | None = None,
 ) -> common_pb2.Assignment:
     """Ranks in node order, contiguous per node: Megatron puts TP ranks next to each other,
-    so whole TP groups stay inside one node as the planner intended."""
+    so whole TP groups stay inside one node as the planner intended. With the job's
+    ``previous`` assignment, a model-parallel job's nodes keep their pipeline stages where
+    they can (``_keeping_stages``)."""
     par = spec.parallelism
     world = sum(slots.values())
     group = par.tensor * par.pipeline
@@ -296,8 +324,11 @@ def assignment_for(
         world_size=world,
         data_parallel=world // group,
     )
+    order = sorted(slots, key=lambda n: (-slots[n], n))
+    if previous is not None and group > 1 and previous.workers:
+        order = _keeping_stages(order, slots, previous, max(par.tensor, 1), max(par.pipeline, 1))
     next_rank = 0
-    for node_id in sorted(slots, key=lambda n: (-slots[n], n)):
+    for node_id in order:
         count = slots[node_id]
         if count == 0:
             continue
@@ -308,6 +339,43 @@ def assignment_for(
     first = assignment.workers[0].node_id
     assignment.master_addr = nodes[first].address.rsplit(":", 1)[0]
     return assignment
+
+
+def _keeping_stages(
+    order: list[str], slots: Mapping[str, int], previous: common_pb2.Assignment, tensor: int, pipeline: int
+) -> list[str]:
+    """``order`` rearranged so that each node the job keeps comes where its ranks hold the
+    pipeline stage (and tensor ranks) they held: Megatron's ranks are pipeline-outermost, so a
+    node's stage follows from its place in the order, and a data-parallel resize shifts every
+    stage's start. A node that lands on another stage holds the wrong shard and takes its
+    state from a peer instead of keeping it (``kept_in_place``). Kept nodes fill their old
+    stage first, in their old order; new nodes and those a stage has no room for fill the
+    rest, stage by stage."""
+    stage_size = max(sum(slots[n] for n in order) // pipeline, 1)
+    old_world = _world(previous)
+    held: dict[str, tuple[int, int]] = {}  # node -> (its old stage, its old first rank)
+    for worker in previous.workers:
+        if worker.ranks and worker.node_id in slots:
+            first = min(worker.ranks)
+            held[worker.node_id] = (shard_of(first, old_world, tensor, pipeline)[1], first)
+    stages: list[list[str]] = [[] for _ in range(pipeline)]
+    room = [stage_size] * pipeline
+    rest: list[str] = []
+    for node in sorted(held, key=lambda n: held[n][1]):
+        stage = held[node][0]
+        if stage < pipeline and slots[node] <= room[stage]:
+            stages[stage].append(node)
+            room[stage] -= slots[node]
+        else:
+            rest.append(node)
+    rest = [n for n in order if n not in held] + rest
+    for stage in range(pipeline):
+        while room[stage] > 0 and rest:
+            fits = next((n for n in rest if slots[n] <= room[stage]), rest[0])
+            rest.remove(fits)
+            stages[stage].append(fits)
+            room[stage] -= slots[fits]
+    return [n for stage in stages for n in stage] + rest
 
 
 def total_slots(nodes: Iterable[common_pb2.Node]) -> int:

@@ -371,7 +371,7 @@ class Replanner:
         """The job's next assignment on these slots, with a rendezvous port of its own."""
         if nodes is None:
             nodes = {node.node_id: node for node in self._registry.nodes()}
-        assignment = decide.assignment_for(job.spec, slots, nodes, job.assignment.generation + 1)
+        assignment = decide.assignment_for(job.spec, slots, nodes, job.assignment.generation + 1, job.assignment)
         assignment.assigned.FromNanoseconds(int(self._ctx.clock() * 1e9))
         assignment.master_port = self.rendezvous_port(assignment.master_addr, job.assignment.master_port)
         return assignment

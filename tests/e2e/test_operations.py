@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,6 +20,7 @@ from unicron.v1 import common_pb2
 from unicron_dev.localcluster import ROOT, LocalCluster, gpt_program
 
 pytestmark = pytest.mark.e2e
+RUNNING = common_pb2.JOB_STATE_RUNNING
 
 
 @pytest.fixture(scope="module")
@@ -44,13 +46,13 @@ def unicron(cluster: LocalCluster, *args: str, user: str = "admin") -> subproces
     )
 
 
-def spec(name: str, data: int, min_data: int, iterations: int) -> common_pb2.JobSpec:
+def spec(name: str, data: int, min_data: int, iterations: int, tensor: int = 1) -> common_pb2.JobSpec:
     return jobspec.normalized(
         jobspec.spec_from_dict(
             {
                 "name": name,
                 "program": gpt_program(),
-                "parallelism": {"data": data, "min_data": min_data},
+                "parallelism": {"data": data, "min_data": min_data, "tensor": tensor},
                 "training": {
                     "iterations": iterations,
                     "global_batch_size": 8,
@@ -101,6 +103,37 @@ def test_a_drained_node_gives_up_its_ranks_without_an_incident_and_comes_back(cl
         assert node not in {w.node_id for w in client.get(job.job_id).assignment.workers}
         back = unicron(cluster, "uncordon", node)
         assert back.returncode == 0, back
+        client.cancel(job.job_id)
+
+
+def test_a_tensor_parallel_job_shrinks_and_grows_back_with_its_shards_in_memory(cluster: LocalCluster) -> None:
+    """TP 2 x DP 2 over both agents, one tensor group a node. Drained, a node gives up its
+    replica and the other node's ranks go on in place at DP 1, each with its own shard;
+    uncordoned, the node's new ranks take their shards from those ranks. Every checkpoint of
+    this cluster fails, so the state can only have stayed in, and come from, the ranks' memory."""
+    with cluster.client() as client:
+        job = client.submit(spec("ops-tensor", data=2, min_data=1, iterations=1_000_000, tensor=2))
+        job = wait_for(client, job.job_id, lambda j: j.progress.iteration >= 3 and j.state == RUNNING, "trains", 180)
+        assert job.assignment.world_size == 4
+        node = job.assignment.workers[0].node_id
+        assert client.drain(node)[1] == [job.job_id]
+        start = job.progress.iteration
+
+        def at(world: int) -> Any:
+            return lambda j: (
+                j.assignment.world_size == world and j.state == RUNNING and j.progress.iteration > start + 3
+            )
+
+        shrunk = wait_for(client, job.job_id, at(2), "shrunk to one replica", 180)
+        kept = [c.reason for c in shrunk.history if "in place" in c.reason]
+        assert kept and "keeping ranks [2, 3] in place" in kept[-1], kept
+        client.uncordon(node)
+        start = shrunk.progress.iteration
+        grown = wait_for(client, job.job_id, at(4), "grown back", 180)
+        kept = [c.reason for c in grown.history if "in place" in c.reason]
+        assert len(kept) >= 2 and "keeping ranks [0, 1] in place" in kept[-1], kept
+        assert grown.progress.iteration > shrunk.progress.iteration  # no step back: nothing reloaded
+        assert not grown.remedies and not client.incidents(job.job_id)
         client.cancel(job.job_id)
 
 

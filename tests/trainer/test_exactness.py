@@ -7,7 +7,8 @@ parameters at the last iteration equal those of a failure-free run, every tensor
   DP 2, TP 2 and PP 2; TP 2 and PP 2 against a failure-free run of the same layout;
 * restart of a killed rank whose state comes from a live peer, from the node's snapshots, and
   from the persistent checkpoint (DP 2);
-* shrink (DP 2 -> 1) and grow (DP 1 -> 2).
+* shrink (DP 2 -> 1) and grow (DP 1 -> 2), also with TP 2: the kept ranks keep their
+  tensor shards, the joining ones take theirs from the peer holding the same shard.
 
 Every data-parallel case is compared with one failure-free DP 1 run: the global batch is the
 same for every DP degree, and so, within 1e-6, are the updates.
@@ -227,3 +228,54 @@ def test_a_grow_is_exact_against_one_rank(references: dict[str, Any], tmp_path: 
         assert result.returncode == 0, result.log[-3000:]
     assert agent.of(joining, "iteration")[0].state_source == "peer"
     assert_exact(root, references["get"]("dp1", 1))
+
+
+def test_a_tensor_parallel_shrink_keeps_each_shard_in_place(references: dict[str, Any], tmp_path: Path) -> None:
+    """TP 2 x DP 2 -> DP 1 at iteration 6: the second replica (ranks 2, 3) exits, the first
+    reforms alone, each rank with its own tensor shard; equal to a failure-free TP 2 run."""
+    port, new_port = free_port(), free_port()
+    root = tmp_path / "ckpt"
+    agent = ReformAgent({(1, 0): 0, (1, 1): 1}, generation=2, world_size=2, port=new_port, when=ReformAgent.any_error)
+    exits = trainer_env(fault_injection=True, faults=("exit@6",))
+    try:
+        spec = spec_of(tensor=2)
+        ranks = [
+            start_trainer(agent.address, spec, r, 4, port, tmp_path, 1, root, exits if r >= 2 else None)
+            for r in range(4)
+        ]
+        assert [ranks[r].wait().returncode for r in (2, 3)] == [3, 3]
+        results = [ranks[r].wait() for r in (0, 1)]
+    finally:
+        agent.stop()
+    for result in results:
+        assert result.returncode == 0, result.log[-3000:]
+    assert sorted(agent.hellos) == [(1, 0), (1, 1), (1, 2), (1, 3)]  # nobody restarted
+    assert_exact(root, references["get"]("tp2", 2, 2, 1))
+
+
+def test_a_tensor_parallel_grow_takes_each_shard_from_its_holder(references: dict[str, Any], tmp_path: Path) -> None:
+    """TP 2 x DP 1 -> DP 2 after iteration 6: two new processes join as the second replica,
+    each taking its tensor shard from the live rank that holds it."""
+    port, new_port = free_port(), free_port()
+    root = tmp_path / "ckpt"
+    joining: list[ProcessKey] = [(2, 2), (2, 3)]
+
+    def ready(agent: ReformAgent) -> bool:
+        return all(k in agent.hellos for k in joining) and len(agent.of((1, 0), "iteration")) >= 6
+
+    agent = ReformAgent({(1, 0): 0, (1, 1): 1}, generation=2, world_size=4, port=new_port, when=ready)
+    slow = trainer_env(fault_injection=True, faults=("slow:0.3@6",))
+    spec = spec_of(tensor=2)
+    try:
+        old = [start_trainer(agent.address, spec, r, 2, port, tmp_path, 1, root, slow) for r in (0, 1)]
+        new = [
+            start_trainer(agent.address, spec, r, 4, new_port, tmp_path, 2, root, trainer_env(state_from_peer=True))
+            for r in (2, 3)
+        ]
+        results = [p.wait() for p in (*old, *new)]
+    finally:
+        agent.stop()
+    for result in results:
+        assert result.returncode == 0, result.log[-3000:]
+    assert [agent.of(k, "iteration")[0].state_source for k in joining] == ["peer", "peer"]
+    assert_exact(root, references["get"]("tp2", 2, 2, 1))

@@ -190,10 +190,46 @@ def test_survivor_map(
     assert decide.survivor_map(job, new, waiting, gone, frozenset(unreachable)) == expected
 
 
-def test_survivor_map_needs_whole_model_ranks() -> None:
+def test_survivor_map_keeps_model_parallel_ranks_with_their_shards() -> None:
     job = placed("j", 1, a=[0, 1], b=[2, 3])
-    job.spec.parallelism.tensor = 2
-    assert decide.survivor_map(job, job.assignment, {0, 1, 3}, {2}) is None
+    job.spec.parallelism.tensor = 2  # DP 2: ranks 0 and 2 hold tensor shard 0, 1 and 3 shard 1
+    assert decide.survivor_map(job, job.assignment, {0, 1, 3}, {2}) == {0: 0, 1: 1, 3: 3}
+    shrunk = placed("j", 2, b=[0, 1]).assignment  # node a lost: b's ranks go on as the one replica
+    assert decide.survivor_map(job, shrunk, {2, 3}, {0, 1}) == {2: 0, 3: 1}
+
+
+def _pipelined(**ranks: list[int]) -> common_pb2.Job:
+    job = placed("j", 1, **ranks)
+    job.spec.parallelism.pipeline = 2
+    return job
+
+
+@pytest.mark.parametrize(
+    ("old", "slots", "order", "kept"),
+    [
+        # PP 2 x DP 2 -> DP 1: z, y held stage 0 and x, w stage 1; y and w stay. By name w
+        # would come first and take stage 0: both would hold the wrong shard.
+        ({"z": [0], "y": [1], "x": [2], "w": [3]}, {"y": 1, "w": 1}, ["y", "w"], {1: 0, 3: 1}),
+        # DP 1 -> 2: each stage keeps its node and gains a new one.
+        ({"a": [0], "b": [1]}, {"a": 1, "b": 1, "c": 1, "d": 1}, ["a", "c", "b", "d"], {0: 0, 1: 2}),
+        # Two ranks a node: the node keeps its stage, the new one takes the other.
+        ({"a": [0, 1], "b": [2, 3]}, {"b": 2, "c": 2}, ["c", "b"], {2: 2, 3: 3}),
+    ],
+)
+def test_a_model_parallel_job_resized_keeps_each_node_on_its_pipeline_stage(
+    old: dict[str, list[int]], slots: dict[str, int], order: list[str], kept: dict[int, int]
+) -> None:
+    job = _pipelined(**old)
+    nodes = {n: node(n, 0) for n in "abcdwxyz"}
+    new = decide.assignment_for(job.spec, slots, nodes, 2, job.assignment)
+    assert [w.node_id for w in new.workers] == order
+    assert decide.kept_in_place(job, new, set()) == kept
+
+
+def test_a_rank_is_not_kept_where_the_new_layout_gives_it_another_shard() -> None:
+    job = _pipelined(a=[0], b=[1], c=[2], d=[3])  # a, b: stage 0; c, d: stage 1
+    swapped = placed("j", 2, c=[0], a=[1]).assignment  # c now stage 0, a stage 1
+    assert decide.kept_in_place(job, swapped, set()) is None
 
 
 def test_a_shrink_after_a_node_is_isolated_keeps_the_survivors_renumbered() -> None:
@@ -223,8 +259,7 @@ def test_live_map_only_for_a_job_that_is_simply_training() -> None:
     job.state = state.RECOVERING
     assert decide.live_map(job, placed("j", 2, a=[0]).assignment) is None
     job.state = state.RUNNING
-    job.spec.parallelism.pipeline = 2
-    assert decide.live_map(job, placed("j", 2, a=[0]).assignment) is None
+    assert decide.live_map(job, placed("j", 2, a=[0]).assignment) == {0: 0}
 
 
 def test_a_joining_rank_fetches_its_own_shard_of_the_state_from_a_peer() -> None:

@@ -110,31 +110,32 @@ def _shape(tensor: int, pipeline: int) -> Any:
 
 
 @pytest.mark.parametrize(
-    ("tensor", "pipeline", "kind", "reform", "action"),
+    ("tensor", "pipeline", "gpus", "kind", "reform", "action"),
     [
-        (1, 1, "reattempt", False, "reattempt"),
-        (1, 1, "restart", False, "restart_peer"),
-        (1, 1, "resize", False, "shrink"),
-        (1, 1, "migrate", False, "grow"),
-        (1, 1, "start", False, "checkpoint_restart"),
-        (8, 1, "reattempt", False, "reattempt"),
-        (8, 1, "restart", False, "restart_snapshot"),
-        (8, 1, "resize", False, "restart_snapshot"),  # each node keeps its tensor shard's snapshot
-        (8, 16, "resize", False, "checkpoint_restart"),  # stages move between nodes
-        (8, 16, "migrate", False, "checkpoint_restart"),  # the new node has no snapshot
-        (8, 16, "restart", True, "restart_peer"),
-        (8, 16, "resize", True, "shrink"),
-        (8, 16, "migrate", True, "grow"),
-        (8, 16, "start", True, "checkpoint_restart"),
+        (1, 1, 8, "reattempt", False, "reattempt"),
+        (1, 1, 1, "restart", False, "restart_peer"),
+        (1, 1, 8, "resize", False, "shrink"),
+        (1, 1, 8, "migrate", False, "grow"),
+        (1, 1, 8, "start", False, "checkpoint_restart"),
+        (8, 1, 8, "reattempt", False, "reattempt"),
+        (8, 1, 16, "restart", False, "restart_peer"),  # DP 2: the other replica holds the shard
+        (8, 1, 8, "restart", False, "restart_snapshot"),  # DP 1: nobody else holds it
+        (8, 16, 128, "restart", False, "restart_snapshot"),
+        (8, 16, 128, "restart", True, "restart_peer"),
+        (8, 16, 256, "resize", False, "shrink"),  # nodes keep their stages
+        (8, 16, 256, "migrate", False, "grow"),
+        (8, 16, 256, "start", True, "checkpoint_restart"),
     ],
 )
-def test_the_action_follows_the_jobs_shape(tensor: int, pipeline: int, kind: str, reform: bool, action: str) -> None:
-    assert transitions.action(_shape(tensor, pipeline), kind, reform) == action
+def test_the_action_follows_the_jobs_shape(
+    tensor: int, pipeline: int, gpus: int, kind: str, reform: bool, action: str
+) -> None:
+    assert transitions.action(_shape(tensor, pipeline), kind, gpus, reform) == action
 
 
 def test_an_unknown_kind_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown transition kind"):
-        transitions.action(_shape(1, 1), "teleport")
+        transitions.action(_shape(1, 1), "teleport", 8)
 
 
 def test_a_405b_jobs_transitions_cost_its_state_rendezvous_and_lost_work() -> None:
@@ -146,16 +147,19 @@ def test_a_405b_jobs_transitions_cost_its_state_rendezvous_and_lost_work() -> No
     fit = TIMINGS.fit
     step = job.iteration_s(gpus)
     rendezvous = gpus * timings.RENDEZVOUS_PER_RANK_S
+    replica = job.tensor * job.pipeline  # the GPUs of one replica
     expected = {
-        ("reattempt", False): 0.45 + rendezvous + 0.5 * step,
-        ("migrate", False): 3.0 + 2e-9 * per_rank + rendezvous + job.checkpoint_interval / 2 * step,
-        ("restart", False): 3.0 + 5e-10 * per_rank + rendezvous + model.SNAPSHOT_EVERY / 2 * step,
-        ("migrate", True): 0.4 + 1e-9 * per_rank + rendezvous + 0.5 * step,
+        ("reattempt", gpus): 0.45 + rendezvous + 0.5 * step,
+        ("migrate", gpus): 0.4 + 1e-9 * per_rank + rendezvous + 0.5 * step,
+        ("restart", gpus): 0.4 + 1e-9 * per_rank + rendezvous + 0.5 * step,  # DP 12: from a peer
+        ("start", gpus): 3.0 + 2e-9 * per_rank + rendezvous + job.checkpoint_interval / 2 * step,
     }
-    for (kind, reform), seconds in expected.items():
-        assert transitions.seconds(job, kind, gpus, fit, reform) == pytest.approx(seconds), (kind, reform)
+    for (kind, on), seconds in expected.items():
+        assert transitions.seconds(job, kind, on, fit) == pytest.approx(seconds), kind
+    # At DP 1 no peer would hold a lost shard: the snapshot.
+    assert transitions.action(job, "restart", replica) == "restart_snapshot"
     # A checkpoint restart about half the 30-minute interval lost, plus the load.
-    assert 900 < transitions.seconds(job, "migrate", gpus, fit) < 1200
+    assert 900 < transitions.seconds(job, "start", gpus, fit) < 1200
     assert transitions.seconds(job, "migrate", 0, fit) == 0.0
 
 

@@ -106,6 +106,7 @@ class Held:
 
     iteration: int
     state: dict[str, Any]
+    shard: tuple[int, int] = (0, 0)  # (tensor rank, pipeline rank) of the state
 
 
 def _on_host(value: Any) -> Any:
@@ -124,7 +125,7 @@ def capture(trainer: Trainer) -> Held:
     trainer's own (host) or host copies (device): once the trainer is released nothing else
     writes them, and ``load_state_dict`` copies them into the next trainer's parameters."""
     state = _on_host(trainer.state_dict())
-    return Held(int(state["iteration"]), state)
+    return Held(int(state["iteration"]), state, trainer.shard)
 
 
 def _forget_megatron_groups() -> None:
@@ -460,6 +461,12 @@ def exchange_state(
     """Collective over the current world: makes every rank's ``trainer`` hold the newest state
     any rank holds (see the module docstring) and returns where this rank's came from."""
     rank = dist.get_rank()
+    if held is not None and held.shard != trainer.shard:
+        # Same shapes, other weights: a shard is only ever loaded where it belongs.
+        log.warning(
+            "the state held is of shard %s, this rank now holds %s: taking it from a peer", held.shard, trainer.shard
+        )
+        held = None
     table = _gather_table(NO_STATE if held is None else held.iteration, trainer.shard)
     plan = make_plan(table)
     shard = trainer.shard
