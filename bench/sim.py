@@ -56,8 +56,9 @@ NOTES = [
     "detection: bench/results/detection.json p50 when present; transitions: the fitted lines of "
     "unicron_sim/data/transition_fit.json x state bytes per rank, plus a rendezvous term per rank and the work "
     "lost (see 'timings'); the other strategies' numbers are documented models (unicron_sim/strategies.py)",
-    "unicron prices tensor/pipeline-parallel jobs as the coordinator handles them today (snapshot or checkpoint "
-    "restarts); what_if.model_parallel_reform prices them as reforms in place (the paper's design)",
+    "unicron prices tensor/pipeline-parallel jobs as the coordinator handles them: reforms in place, each rank "
+    "keeping its shard, a lost shard taken from a data-parallel peer (a snapshot restart only at data-parallel "
+    "degree 1); what_if.model_parallel_reform prices that last case as a reform too",
     "the elastic systems (oobleck, varuna, bamboo) train at 1.0 of Megatron's failure-free throughput in 'runs'; "
     "'sensitivity' reruns them at 0.9 and 0.75",
     "scale-100k's wall time is the Unicron strategy's alone (the real planner re-plans every node loss and return); "
@@ -150,7 +151,7 @@ def format_table(data: dict[str, Any]) -> str:
     lines.append("cluster's failure-free WAF")
     whatifs = data.get("what_if", {}).get("model_parallel_reform", [])
     if whatifs:
-        lines += ["", "What if tensor/pipeline-parallel jobs reformed in place (--reform-model-parallel):"]
+        lines += ["", "What if model-parallel jobs at data-parallel degree 1 reformed too (--reform-model-parallel):"]
         for w in whatifs:
             ratios = ", ".join(f"{k} {v:.3f}" for k, v in w["ratio_over"].items() if v)
             lines.append(

@@ -43,8 +43,8 @@ def add_parser(sub: Any) -> None:
     cmd.add_argument(
         "--reform-model-parallel",
         action="store_true",
-        help="price tensor/pipeline-parallel jobs' transitions as reforms in place (the paper's design) "
-        "instead of the snapshot or checkpoint restarts the coordinator does today",
+        help="price a tensor/pipeline-parallel job's restart at data-parallel degree 1 (no peer holds a lost "
+        "shard) as a reform from a peer too, instead of the snapshot restart the coordinator does",
     )
     cmd.add_argument(
         "--elastic-factor",

@@ -133,9 +133,9 @@ class UnicronSettings:
     # False leaves the coordinator's own estimates in the request (decide.plan_request and
     # the planner's defaults), while the simulator still charges the fitted costs.
     fitted_estimates: bool = True
-    # Price tensor- and pipeline-parallel jobs as if the coordinator kept their ranks in place
-    # (the paper's design) instead of restarting them from a snapshot or checkpoint (what
-    # decide.kept_in_place allows today); see transitions.
+    # Price a model-parallel job's restart at data-parallel degree 1 (no peer holds the lost
+    # shard) as a reform from a peer too, instead of the snapshot restart decide.kept_in_place
+    # leaves it; see transitions.
     model_parallel_reform: bool = False
     # False sets a cap no plan reaches, which makes the planner skip its size-only DP hint.
     dp_hint: bool = True
