@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import threading
 import time
@@ -79,6 +80,12 @@ class CommandExecutor:
         def stop_and_ack() -> None:
             with self._transition_span(command, "stop", stop.job_id, stop.generation):
                 p.supervisor.stop(stop.job_id, p.settings.stop_grace_s, stop.generation)
+            snapshots = _job_dir(p.settings.snapshot_dir, stop.job_id)
+            if stop.job_ended and snapshots is not None:
+                # Left behind, a cancelled 100M-parameter job's snapshots held gigabytes of
+                # tmpfs until the agent exited (bench-sizes: the next jobs were OOM-killed).
+                shutil.rmtree(snapshots, ignore_errors=True)
+                log.info("freed the ended job's snapshots", extra={"job_id": stop.job_id})
             self._ack(command, stop.job_id, stop.generation)
 
         # Stopping waits out the trainers' grace: the command stream goes on meanwhile.

@@ -84,7 +84,7 @@ class Jobs:
         def mutate(job: common_pb2.Job) -> JobWrite:
             if state.is_terminal(job.state):
                 raise FailedPrecondition(f"job {job.job_id} already ended ({state.state_name(job.state)})")
-            commands = transitions.stop(job, now, why, ack_timeout_s, unreachable)
+            commands = transitions.stop(job, now, why, ack_timeout_s, unreachable, job_ended=True)
             state.transition(job, state.CANCELLED, now, why)
             return JobWrite([event(job, EventType.JOB_EVENT_TYPE_STATE_CHANGED, now, why)], commands)
 

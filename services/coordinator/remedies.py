@@ -81,7 +81,7 @@ def _fail(job: common_pb2.Job, incident: common_pb2.Incident, decision: ladder.D
     reason = f"{incident.summary}; {decision.reason}"
     if incident.kind == common_pb2.FAILURE_KIND_PROGRAM_ERROR:
         job.failure_detail = incidents.program_traceback(incident)
-    commands = transitions.stop(job, given.now, reason, given.ack_timeout_s, given.unreachable)
+    commands = transitions.stop(job, given.now, reason, given.ack_timeout_s, given.unreachable, job_ended=True)
     state.transition(job, state.FAILED, given.now, reason)
     return JobWrite([event(job, EventType.JOB_EVENT_TYPE_STATE_CHANGED, given.now, reason)], commands)
 

@@ -33,10 +33,16 @@ def start(
 
 
 def stop(
-    job: common_pb2.Job, now: float, reason: str, ack_timeout_s: float, unreachable: frozenset[str] = frozenset()
+    job: common_pb2.Job,
+    now: float,
+    reason: str,
+    ack_timeout_s: float,
+    unreachable: frozenset[str] = frozenset(),
+    job_ended: bool = False,
 ) -> Commands:
     """Asks every node of the job's current generation to stop its ranks. Workers on
-    unreachable nodes are marked stopped at once: there is no agent left to ask."""
+    unreachable nodes are marked stopped at once: there is no agent left to ask.
+    ``job_ended``: the job is over, and the nodes free its snapshots too."""
     generation = job.assignment.generation
     commands: Commands = []
     for worker in job.workers:
@@ -52,7 +58,9 @@ def stop(
             (
                 node_id,
                 node_service_pb2.NodeCommand(
-                    stop_workers=node_service_pb2.StopWorkers(job_id=job.job_id, reason=reason, generation=generation)
+                    stop_workers=node_service_pb2.StopWorkers(
+                        job_id=job.job_id, reason=reason, generation=generation, job_ended=job_ended
+                    )
                 ),
             )
         )

@@ -173,6 +173,9 @@ def test_a_remedy_is_one_write(
     assert written is not None
     assert job.state == job_state and job.assignment.generation == generation
     assert [command.WhichOneof("command") for _, command in written.commands] == commands
+    # Only a stop that ends the job frees its snapshots; a restart needs them.
+    ended = [c.stop_workers.job_ended for _, c in written.commands if c.WhichOneof("command") == "stop_workers"]
+    assert ended == [job_state == state.FAILED] * len(ended)
     assert len(job.remedies) == (0 if remedy is None else 1)
     if remedy == pb.REMEDY_REATTEMPT:
         assert job.assignment.master_port == 29777 and job.remedies[0].generation == 2

@@ -54,7 +54,7 @@ def test_stop_asks_the_reachable_nodes(
     job = running_job(a=[0], b=[1])
     commands = transitions.stop(job, NOW, "cancelled", ACK, unreachable)
     assert [node for node, _ in commands] == commanded
-    assert all(c.stop_workers.generation == 1 for _, c in commands)
+    assert all(c.stop_workers.generation == 1 and not c.stop_workers.job_ended for _, c in commands)
     assert states(job) == after
     # Stopping twice asks nothing more of a worker already stopping.
     transitions.stop(job, NOW + 1, "again", ACK, unreachable)
@@ -110,3 +110,9 @@ def test_the_first_iteration_marks_the_nodes_workers_running() -> None:
     assert transitions.mark_running(job, "a", NOW + 1)
     assert not transitions.mark_running(job, "a", NOW + 2)  # already running
     assert states(job) == [("a", 1, "running"), ("b", 1, "starting")]
+
+
+def test_a_stop_that_ends_the_job_says_so_to_the_nodes() -> None:
+    job = running_job(a=[0], b=[1])
+    commands = transitions.stop(job, NOW, "cancelled", ACK, job_ended=True)
+    assert [(node, c.stop_workers.job_ended) for node, c in commands] == [("a", True), ("b", True)]
