@@ -73,24 +73,34 @@ class Line:
 
 
 def fit(points: list[tuple[float, float]]) -> Line | None:
-    """The least-squares line through (bytes, seconds); None under two distinct sizes. A
-    negative slope (noise at sizes whose cost does not grow) is clamped to 0, with the fixed
-    part the mean; a negative intercept to 0, with the slope through the origin."""
+    """The line through (bytes, seconds) that least-squares the points' relative errors (each
+    weighted by 1 / seconds^2): the sizes span 100x and their seconds 50x, and by absolute error
+    the largest size alone would set the line, its fixed part lost in that size's noise. None
+    under two distinct sizes. A negative slope (noise at sizes whose cost does not grow) is
+    clamped to 0, with the fixed part the weighted mean; a negative intercept to 0, with the
+    slope through the origin."""
     if len({x for x, _ in points}) < 2:
         return None
-    n = len(points)
-    mean_x = sum(x for x, _ in points) / n
-    mean_y = sum(y for _, y in points) / n
-    sxx = sum((x - mean_x) ** 2 for x, _ in points)
-    sxy = sum((x - mean_x) * (y - mean_y) for x, y in points)
+    weights = [1.0 / max(y, _SMALLEST_S) ** 2 for _, y in points]
+    total = sum(weights)
+    mean_x = sum(w * x for w, (x, _) in zip(weights, points, strict=True)) / total
+    mean_y = sum(w * y for w, (_, y) in zip(weights, points, strict=True)) / total
+    sxx = sum(w * (x - mean_x) ** 2 for w, (x, _) in zip(weights, points, strict=True))
+    sxy = sum(w * (x - mean_x) * (y - mean_y) for w, (x, y) in zip(weights, points, strict=True))
     slope = sxy / sxx
+    n = len(points)
     if slope < 0:
         return Line(round(mean_y, 4), 0.0, n)
     intercept = mean_y - slope * mean_x
     if intercept < 0:
-        slope = sum(x * y for x, y in points) / sum(x * x for x, _ in points)
+        slope = sum(w * x * y for w, (x, y) in zip(weights, points, strict=True))
+        slope /= sum(w * x * x for w, (x, _) in zip(weights, points, strict=True))
         intercept = 0.0
     return Line(round(intercept, 4), slope, n)
+
+
+# Below this a sample's seconds weigh as much as this: a report batch cannot resolve less.
+_SMALLEST_S = 0.05
 
 
 def points_of(rows: list[dict[str, Any]]) -> dict[str, list[tuple[float, float]]]:
