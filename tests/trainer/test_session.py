@@ -170,7 +170,11 @@ def test_a_reattempt_finishes_the_iteration_from_its_gradients(
     assert "finishing the interrupted iteration from its computed gradients" in results[1].log, results[1].log[-3000:]
     reports = agent.of((1, 0), "iteration")
     assert [(r.iteration, r.generation) for r in reports] == [(i, 1 if i < 8 else 2) for i in range(1, ITERATIONS + 1)]
-    assert_same_state(final_state(root), reference_dp2)
+    # Equal up to float rounding: when rank 0 computes iteration 8 in the new group, after a
+    # teardown, its buffers are allocated elsewhere, and MKL's sgemm rounds by alignment.
+    # Measured: 1.10e-6 once in a loaded CI run (every local run, where rank 0 finished from
+    # its gradients too, within 1e-6); a wrongly computed iteration would be off by far more.
+    assert_same_state(final_state(root), reference_dp2, tolerance=5e-6)
 
 
 def test_grow_takes_the_state_from_a_live_peer(reference: dict[str, Any], tmp_path: Path, agents: list[Any]) -> None:
