@@ -4,6 +4,7 @@ trace, and acknowledged when it changes trainers."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -200,8 +201,7 @@ class CommandExecutor:
             if key.generation != reform.from_generation or new_rank is None or new_rank not in here:
                 continue
             new_key = WorkerKey(reform.job_id, assignment.generation, new_rank)
-            p.supervisor.rekey(key, new_key)
-            p.link.rekey(key, new_key)
+            p.link.rekey(key, new_key, move_worker=functools.partial(p.supervisor.rekey, key, new_key))
             message = trainer_service_pb2.AgentReform(
                 incident_id=reform.incident_id,
                 generation=assignment.generation,

@@ -92,18 +92,22 @@ class TrainerLink(trainer_service_pb2_grpc.TrainerAgentServiceServicer):
                 f"the token is for {principal.name}, not job {key.job_id} generation {key.generation} rank {key.rank}",
             )
             return
+        # One critical section with rekey: a reform between the lookup and the registration
+        # would leave the hello under a key the supervisor no longer knows, or the stream
+        # under one the reform already moved on from.
         with self._lock:
             key = self._moved.get(key, key)
-        if not self._handlers.is_known(key):
+            known = self._handlers.is_known(key)
+            if known:
+                stream = _Stream(key, queue.Queue())
+                self._streams[key] = stream
+                held = self._settle(key)
+        if not known:
             context.abort(
                 grpc.StatusCode.NOT_FOUND,
                 f"no trainer of job {hello.job_id} generation {hello.generation} rank {hello.rank} runs here",
             )
             return
-        stream = _Stream(key, queue.Queue())
-        with self._lock:
-            self._streams[key] = stream
-            held = self._settle(key)
         stream.outbox.put(pb.ConnectResponse(welcome=pb.AgentWelcome(node_id=self._node_id)))
         for waiting in held:
             stream.outbox.put(waiting)
@@ -125,11 +129,14 @@ class TrainerLink(trainer_service_pb2_grpc.TrainerAgentServiceServicer):
                     del self._streams[stream.key]
             self._limiter.forget(str(stream.key))
 
-    def rekey(self, old: WorkerKey, new: WorkerKey) -> bool:
+    def rekey(self, old: WorkerKey, new: WorkerKey, move_worker: Callable[[], object] = lambda: None) -> bool:
         """The trainer behind `old` moved to a new generation and rank (a reform): its
         stream now speaks for `new`. False when no such trainer is connected: then its hello,
-        when it comes, is taken as `new`'s (what was held for `old` is out of date)."""
+        when it comes, is taken as `new`'s (what was held for `old` is out of date).
+        `move_worker` renames the worker where `is_known` looks, in the same critical section
+        as the hello's lookup: a hello sees the worker and its stream both before or both after."""
         with self._lock:
+            move_worker()
             stream = self._streams.pop(old, None)
             if stream is None:
                 start = next((first for first, now in self._moved.items() if now == old), old)
