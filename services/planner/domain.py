@@ -2,11 +2,21 @@
 
 A plan gives every job a size x (GPU slots) and a placement (slots per node). Its value is
 
-    sum_t F(t, x_t) * (D_run - D_trans(t, kind_t)),    F(t, x) = w(t) * T(t, x)
+    sum_t F(t, x_t) * (D_run - s(x_t) * D_trans(t, kind_t)),    F(t, x) = w(t) * T(t, x)
 
 in weighted FLOPs: what the cluster achieves until the next expected failure (the horizon
 D_run), less the work lost while jobs transition. ``score`` computes it for any plan; the solver
 maximizes it.
+
+The transition's share s(x) (``Horizon.share``). A transition is paid once, and what it buys
+lasts until the job itself is next disrupted, not until the cluster's next failure: another
+job's failure re-plans the cluster but leaves this job as it is unless a change pays. A job on
+x of the S healthy slots is hit at x/S of the cluster's rate, so its own horizon is
+D_run * S / x, and charging its transition over D_run is charging s(x) = x / S of it (at most
+1, at least D_run / DEFAULT_HORIZON_S: no job's horizon is taken past a day). Without the
+share (the paper's D_run - D_trans) a job on a tenth of a 12,500-node cluster, whose D_run is
+30 minutes, prefers shrinking by a replica to a 5-minute move onto a spare, and never grows
+back once the node is repaired: every re-plan weighs the move against 30 minutes again.
 
 Transition kinds (``transition_kind``). What a job pays follows from its current and new
 placement alone:
@@ -28,7 +38,7 @@ The solver relies on that order; it makes "keep" never worse than "resize", nor 
 Size-only objective (the paper's problem, no placement; ``size_only_value``). The cluster is a
 pool of the healthy nodes' slots; a job picks a size x from ``allowed_sizes`` or 0 (pause, if
 preemptible), a pinned job keeps its current size, and the sizes must fit in the pool. A job's
-value at x is F(t, x) * (D_run - D_trans) with the kind taken from sizes alone: paused at 0;
+value at x is F(t, x) * (D_run - s(x) * D_trans) with the kind taken from sizes alone: paused at 0;
 none (kept) or restart (kept but hit) when x is the current size and the placement can be
 reused in place (``placement_blocker`` is None); resize when 0 < x <= the slots it holds on its
 healthy nodes in whole TP groups (it can shrink there); migrate otherwise. The changed-jobs cap
@@ -319,6 +329,29 @@ def weighted_throughput(job: Job, x: int) -> float:
     return job.weight * throughput(job, x)
 
 
+@dataclass(frozen=True)
+class Horizon:
+    """D_run in seconds and the healthy slots S that a job's transition share is of (module
+    docstring): what every value of a plan is computed over."""
+
+    seconds: float
+    healthy_slots: int
+
+    def share(self, x: int) -> float:
+        """s(x): the part of its transition a job at size ``x`` is charged over D_run."""
+        if self.healthy_slots <= 0:
+            return 1.0
+        return min(1.0, max(x / self.healthy_slots, self.seconds / DEFAULT_HORIZON_S))
+
+    def value(self, f: float, x: int, transition_s: float) -> float:
+        """F * (D_run - s(x) * D_trans): one job's term at weighted throughput ``f``."""
+        return f * (self.seconds - self.share(x) * transition_s)
+
+
+def horizon_of(request: PlanRequest) -> Horizon:
+    return Horizon(horizon_seconds(request), healthy_slots(request))
+
+
 def horizon_seconds(request: PlanRequest) -> float:
     """D_run = 1 / (rate * healthy nodes); ``DEFAULT_HORIZON_S`` when that is not finite."""
     healthy = sum(1 for node in request.nodes if node.healthy)
@@ -436,10 +469,10 @@ def transition_seconds(job: Job, kind: str | None) -> float:
     return 0.0 if kind is None else job.transition.seconds(kind)
 
 
-def job_value(job: Job, slots: Mapping[str, int], horizon_s: float) -> float:
-    """One job's term of the objective, in weighted FLOPs: F * (D_run - D_trans)."""
-    f = weighted_throughput(job, sum(slots.values()))
-    return f * (horizon_s - transition_seconds(job, transition_kind(job, slots)))
+def job_value(job: Job, slots: Mapping[str, int], horizon: Horizon) -> float:
+    """One job's term of the objective, in weighted FLOPs: F * (D_run - s(x) * D_trans)."""
+    x = sum(slots.values())
+    return horizon.value(weighted_throughput(job, x), x, transition_seconds(job, transition_kind(job, slots)))
 
 
 def plan_problems(request: PlanRequest, plan_slots: PlanSlots) -> list[str]:
@@ -484,7 +517,7 @@ def score(request: PlanRequest, plan_slots: PlanSlots) -> float:
     problems = plan_problems(request, plan_slots)
     if problems:
         raise ValueError("invalid plan: " + "; ".join(problems))
-    horizon = horizon_seconds(request)
+    horizon = horizon_of(request)
     return sum(job_value(job, plan_slots.get(job.job_id, {}), horizon) for job in request.jobs)
 
 
@@ -513,12 +546,11 @@ def size_only_kind(job: Job, x: int, nodes: Mapping[str, Node]) -> TransitionKin
     return "migrate"
 
 
-def size_only_value(job: Job, x: int, nodes: Mapping[str, Node], horizon_s: float) -> float:
-    f = weighted_throughput(job, x)
-    return f * (horizon_s - transition_seconds(job, size_only_kind(job, x, nodes)))
+def size_only_value(job: Job, x: int, nodes: Mapping[str, Node], horizon: Horizon) -> float:
+    return horizon.value(weighted_throughput(job, x), x, transition_seconds(job, size_only_kind(job, x, nodes)))
 
 
-def size_options(job: Job, nodes: Mapping[str, Node], horizon_s: float) -> dict[int, float]:
+def size_options(job: Job, nodes: Mapping[str, Node], horizon: Horizon) -> dict[int, float]:
     """The sizes the job may take in the size-only problem, each with its value; 0 is pausing.
     Empty when none is possible (pinned at a size it may not run at and may not leave)."""
     if job.pinned:
@@ -527,9 +559,9 @@ def size_options(job: Job, nodes: Mapping[str, Node], horizon_s: float) -> dict[
             return {}
         if x == 0 and not job.preemptible:
             return {}
-        return {x: size_only_value(job, x, nodes, horizon_s)}
+        return {x: size_only_value(job, x, nodes, horizon)}
     options = {0: 0.0} if job.preemptible else {}
-    options.update({x: size_only_value(job, x, nodes, horizon_s) for x in allowed_sizes(job)})
+    options.update({x: size_only_value(job, x, nodes, horizon) for x in allowed_sizes(job)})
     return options
 
 
@@ -537,7 +569,7 @@ def size_only_score(request: PlanRequest, sizes: Mapping[str, int]) -> float:
     """The size-only objective of the given sizes (absent jobs paused); ValueError if invalid."""
     validate(request)
     nodes = {node.node_id: node for node in request.nodes}
-    horizon = horizon_seconds(request)
+    horizon = horizon_of(request)
     total, used = 0.0, 0
     for job in request.jobs:
         x = sizes.get(job.job_id, 0)

@@ -41,7 +41,7 @@ def plan_sizes_dp(request: PlanRequest) -> DPResult:
     """The size-only optimum by dynamic programming; ValueError for a malformed request."""
     domain.validate(request)
     nodes = {node.node_id: node for node in request.nodes}
-    horizon = domain.horizon_seconds(request)
+    horizon = domain.horizon_of(request)
     pool = domain.healthy_slots(request)
     best = np.zeros(pool + 1)
     choices: list[tuple[list[int], np.ndarray]] = []

@@ -130,7 +130,7 @@ def plan_result(
 ) -> PlanResult:
     if placement is None:
         return PlanResult(
-            status, 0.0, bound, math.inf if bound == math.inf else 0.0, seconds, data.horizon_s, (), reason
+            status, 0.0, bound, math.inf if bound == math.inf else 0.0, seconds, data.horizon.seconds, (), reason
         )
     reasons = job_reasons(data, placement)
     jobs = []
@@ -148,10 +148,10 @@ def plan_result(
                 transition_s=domain.transition_seconds(jd.job, kind),
             )
         )
-    objective = sum(domain.job_value(jd.job, placement[jd.job.job_id], data.horizon_s) for jd in data.jobs)
+    objective = sum(domain.job_value(jd.job, placement[jd.job.job_id], data.horizon) for jd in data.jobs)
     bound = max(bound, objective)
     if bound == math.inf:
         gap = math.inf
     else:
         gap = (bound - objective) / abs(bound) if bound else 0.0
-    return PlanResult(status, objective, bound, gap, seconds, data.horizon_s, tuple(jobs), reason)
+    return PlanResult(status, objective, bound, gap, seconds, data.horizon.seconds, tuple(jobs), reason)

@@ -127,7 +127,7 @@ class _Greedy:
 
     def __init__(self, data: Problem, targets: Mapping[str, int] | None) -> None:
         self.data, self.targets = data, targets
-        self.horizon = data.horizon_s
+        self.horizon = data.horizon
         self.placement: Placement = {jd.job.job_id: {} for jd in data.jobs}
         self.free = FreeSlots(data, self.placement)
         self.cap = data.request.max_changed_jobs
@@ -240,7 +240,7 @@ class _Greedy:
             if stays and groups <= own_room:
                 value = self._grown_value(jd, now, groups)
             else:
-                value = domain.weighted_throughput(job, x) * (self.horizon - job.transition.seconds("migrate"))
+                value = self.horizon.value(domain.weighted_throughput(job, x), x, job.transition.seconds("migrate"))
             gain = (value - base) / (x - size)
             if gain > 0 and (best is None or gain > best[0]):
                 best = (gain, x)
@@ -305,7 +305,7 @@ def polish(data: Problem, placement: Placement) -> Placement:
         if not jd.in_place or job.pinned or new == cur:
             continue
         fits = all(used[n] - new.get(n, 0) + s <= data.nodes[n].slots for n, s in cur.items())
-        if fits and domain.job_value(job, cur, data.horizon_s) >= domain.job_value(job, new, data.horizon_s):
+        if fits and domain.job_value(job, cur, data.horizon) >= domain.job_value(job, new, data.horizon):
             for n, s in new.items():
                 used[n] -= s
             for n, s in cur.items():

@@ -40,7 +40,7 @@ class Problem:
     healthy: list[Node]
     touched: list[str]  # healthy nodes some job holds now, in request order
     free: list[str]  # the other healthy nodes with slots, in request order
-    horizon_s: float
+    horizon: domain.Horizon
     jobs: list[JobData]
     levels: list[int]  # distinct TP degrees of the jobs that may use pooled nodes, ascending
     capacity: str  # "pool" (levels: TP degrees form a chain), "typed" or "explicit"
@@ -70,7 +70,7 @@ def undominated(job: Job, values: dict[int, float], keep_current: bool) -> dict[
 
 def build_problem(request: PlanRequest, mode: str = "auto") -> Problem:
     nodes = {node.node_id: node for node in request.nodes}
-    horizon = domain.horizon_seconds(request)
+    horizon = domain.horizon_of(request)
     healthy = [node for node in request.nodes if node.healthy]
     held = {n for job in request.jobs for n in job.current if nodes[n].healthy}
     touched = [node.node_id for node in healthy if node.node_id in held]
@@ -95,10 +95,12 @@ def build_problem(request: PlanRequest, mode: str = "auto") -> Problem:
                 in_place=in_place,
                 forced=domain.forced_change(job, nodes),
                 stay_value=undominated(
-                    job, {x: v * (horizon - resize) for x, v in f.items() if x <= stay_cap}, in_place
+                    job, {x: horizon.value(v, x, resize) for x, v in f.items() if x <= stay_cap}, in_place
                 ),
-                move_value=undominated(job, {x: v * (horizon - migrate) for x, v in f.items()}, False),
-                keep_bonus=f[job.current_size] * (resize - keep_cost) if in_place else 0.0,
+                move_value=undominated(job, {x: horizon.value(v, x, migrate) for x, v in f.items()}, False),
+                keep_bonus=(
+                    f[job.current_size] * horizon.share(job.current_size) * (resize - keep_cost) if in_place else 0.0
+                ),
             )
         )
     largest = max(
@@ -114,7 +116,7 @@ def build_problem(request: PlanRequest, mode: str = "auto") -> Problem:
         healthy=healthy,
         touched=touched,
         free=free,
-        horizon_s=horizon,
+        horizon=horizon,
         jobs=jobs,
         levels=levels,
         capacity=mode,
@@ -171,7 +173,7 @@ def holders_of(data: Problem) -> dict[str, list[JobData]]:
 
 
 def plan_value(data: Problem, placement: Placement) -> float:
-    return sum(domain.job_value(jd.job, placement[jd.job.job_id], data.horizon_s) for jd in data.jobs)
+    return sum(domain.job_value(jd.job, placement[jd.job.job_id], data.horizon) for jd in data.jobs)
 
 
 def per_slot(job: Job, size: int) -> float:

@@ -536,7 +536,7 @@ def plan_sizes(request: PlanRequest) -> SizePlan:
     start = time.perf_counter()
     domain.validate(request)
     nodes = {node.node_id: node for node in request.nodes}
-    horizon = domain.horizon_seconds(request)
+    horizon = domain.horizon_of(request)
     options = {job.job_id: domain.size_options(job, nodes, horizon) for job in request.jobs}
     for job_id, opts in options.items():
         if not opts:

@@ -113,9 +113,24 @@ def test_transition_kind_follows_the_placement() -> None:
 def test_job_value_charges_the_kind() -> None:
     job = _job("a", current={"n1": 4, "n2": 4}, transition=Transition(resize_s=10.0, migrate_s=100.0))
     f8, f4 = domain.weighted_throughput(job, 8), domain.weighted_throughput(job, 4)
-    assert domain.job_value(job, {"n1": 4, "n2": 4}, 1000.0) == f8 * 1000.0
-    assert domain.job_value(job, {"n1": 4}, 1000.0) == f4 * 990.0
-    assert domain.job_value(job, {"n3": 8}, 1000.0) == f8 * 900.0
+    horizon = domain.Horizon(1000.0, healthy_slots=8)
+    assert domain.job_value(job, {"n1": 4, "n2": 4}, horizon) == f8 * 1000.0
+    assert domain.job_value(job, {"n1": 4}, horizon) == f4 * (1000.0 - 0.5 * 10.0)  # on half the slots
+    assert domain.job_value(job, {"n3": 8}, horizon) == f8 * 900.0
+
+
+@pytest.mark.parametrize(
+    ("seconds", "healthy", "x", "share"),
+    [
+        (1800.0, 1000, 100, 0.1),  # a tenth of the cluster: hit at a tenth of its rate
+        (1800.0, 1000, 1000, 1.0),  # the whole cluster: D_run is its own horizon
+        (1800.0, 1000, 1, 1800.0 / domain.DEFAULT_HORIZON_S),  # no job's horizon past a day
+        (domain.DEFAULT_HORIZON_S, 1000, 100, 1.0),  # no failures expected: charged whole
+        (1800.0, 0, 8, 1.0),  # nothing healthy
+    ],
+)
+def test_a_transition_is_charged_over_the_jobs_own_horizon(seconds: float, healthy: int, x: int, share: float) -> None:
+    assert domain.Horizon(seconds, healthy).share(x) == pytest.approx(share)
 
 
 # --- throughput ---------------------------------------------------------------------------------
@@ -165,5 +180,6 @@ def test_size_only_kinds() -> None:
     assert domain.size_only_kind(kept, 2, nodes) is None
     assert domain.size_only_kind(kept, 1, nodes) == "resize"
     assert domain.size_only_kind(_job("c", current={"n1": 2}, hit_by_failure=True), 2, nodes) == "restart"
-    assert domain.size_options(_job("d", pinned=True, current={"n1": 3}), nodes, 100.0).keys() == {3}
-    assert 0 not in domain.size_options(_job("e", preemptible=False), nodes, 100.0)
+    horizon = domain.Horizon(100.0, healthy_slots=8)
+    assert domain.size_options(_job("d", pinned=True, current={"n1": 3}), nodes, horizon).keys() == {3}
+    assert 0 not in domain.size_options(_job("e", preemptible=False), nodes, horizon)

@@ -129,7 +129,7 @@ def test_cp_sat_size_only_objective_equals_the_dp_optimum(request: PlanRequest) 
     # CP-SAT rounds each value to 1 part in 2e9 of the largest; the optima agree to that.
     largest = max(
         (abs(v) for job in request.jobs for v in domain.size_options(job, {n.node_id: n for n in request.nodes},
-                                                                      domain.horizon_seconds(request)).values()),
+                                                                      domain.horizon_of(request)).values()),
         default=0.0,
     )  # fmt: skip
     assert result.objective == pytest.approx(reference.objective, abs=1e-6 * largest + 1e-9)
