@@ -110,7 +110,9 @@ def test_killed_trainer_is_restarted_and_the_job_trains_on(cluster: LocalCluster
             while (job := client.get(job_id)).state != common_pb2.JOB_STATE_RUNNING or job.assignment.generation < 2:
                 assert time.monotonic() - killed_at < 120, f"job did not resume: {job.reason}\n{story(client, job_id)}"
                 time.sleep(0.2)
-            (incident,) = [i for i in client.incidents(job_id) if i.kind != common_pb2.FAILURE_KIND_STRAGGLER]
+            incidents = [i for i in client.incidents(job_id) if i.kind != common_pb2.FAILURE_KIND_STRAGGLER]
+            assert len(incidents) == 1, story(client, job_id)
+            (incident,) = incidents
             iteration = job.progress.iteration
             while client.get(job_id).progress.iteration <= iteration:
                 assert time.monotonic() - killed_at < 150, "training did not go on after the restart"
