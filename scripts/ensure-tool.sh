@@ -10,9 +10,13 @@ cmd="$1"
 pkg="$2"
 want="${3:-}"
 found() {
-  local path
+  local path version
   for path in $(type -a -P "$1" 2>/dev/null); do
-    if [ -z "$want" ] || "$path" version 2>/dev/null | grep -Eq "$want"; then
+    [ -z "$want" ] && return 0
+    # Read whole, then matched: piped into `grep -q`, which exits at its first match, the
+    # program could die of SIGPIPE writing the rest, and pipefail would call it not found.
+    version="$("$path" version 2>/dev/null || true)"
+    if grep -Eq "$want" <<<"$version"; then
       return 0
     fi
   done

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import psutil
 
-from services.agent import log_service
+from services.agent import log_service, trainer_user
 from services.agent.agent import Agent, AgentSettings, serve
 from services.agent.health import default_checks
 from unicron import rpc
@@ -104,6 +104,12 @@ class AgentConfig(TLSConfig):
         "a file holding the cluster's join token, for a coordinator that does not know this node by its "
         "certificate (node:<node_id>)",
     )
+    trainer_user: str = setting(
+        "",
+        "the user (a name or uid) this node's trainers run as, so that the user's program cannot read the node's "
+        "key, join token or the agent's state; the agent must run as root, and those files must not be readable "
+        "by that user (empty: the agent's own user)",
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -132,6 +138,9 @@ class AgentConfig(TLSConfig):
         require(self.hang_k > 1, "hang_k", "must exceed 1")
         require(self.hang_floor_s > 0, "hang_floor_s", "must be positive")
         require(self.hang_warmup_iterations >= 1, "hang_warmup_iterations", "must be at least 1")
+        user = trainer_user.resolve(self.trainer_user)
+        if user is not None:
+            trainer_user.check(user, {"tls_key": self.tls_key, "join_token_file": self.join_token_file})
 
 
 def advertised_host(config: AgentConfig) -> str:
@@ -166,13 +175,18 @@ def coordinator_security(config: AgentConfig) -> ClientSecurity:
     return config.client(read_token_file("join_token_file", config.join_token_file) if config.join_token_file else "")
 
 
-def trainer_env(config: AgentConfig) -> dict[str, str]:
+def trainer_env(config: AgentConfig, work_dir: Path) -> dict[str, str]:
     """How this agent's trainers reach it: TLS checked against the CA, on the trainer port,
     which asks for no client certificate (TRAINER_BIND); each proves itself by its worker
-    token. Never the agent's certificate or key: a trainer runs the user's program."""
+    token. Never the agent's certificate or key: a trainer runs the user's program. A trainer
+    user may not read the agent's certificate files at all, so it gets a copy of the CA's
+    certificate (public) in the agent's directory."""
     if config.plaintext:
         return settings_env(plaintext=True)
-    return settings_env(plaintext=False, tls_ca=Path(config.tls_ca).resolve())
+    ca = Path(config.tls_ca).resolve()
+    if config.trainer_user:
+        ca = trainer_user.public_copy(ca, work_dir / "trainer-ca.pem")
+    return settings_env(plaintext=False, tls_ca=ca)
 
 
 # Where the agent serves its trainers (its children, on this host): loopback, any free port.
@@ -232,9 +246,10 @@ def setup(
             health_period_s=config.health_period_s,
             warm_spares=config.warm_spares,
             spare_warmup_s=config.spare_warmup_s,
-            trainer_env=trainer_env(config),
+            trainer_env=trainer_env(config, work_dir),
             trainer_address=trainer_address,
             data_interface=config.data_interface or interface_of(advertised_host(config)),
+            trainer_user=trainer_user.resolve(config.trainer_user),
             monitor=MonitorSettings(
                 k=config.hang_k, floor_s=config.hang_floor_s, warmup_iterations=config.hang_warmup_iterations
             ),

@@ -32,6 +32,7 @@ from services.agent.log_service import LogService
 from services.agent.spares import SparePool
 from services.agent.supervisor import Supervisor, WorkerExit, WorkerKey, without_node_secrets
 from services.agent.trainer_link import LinkHandlers, Rejected, TrainerLink
+from services.agent.trainer_user import TrainerUser
 from services.agent.verdicts import HangJudge
 from services.agent.watch import JobWatch
 from unicron import rpc
@@ -87,6 +88,8 @@ class AgentSettings:
     image: str = ""
     # The interface the trainers' collectives use ("": the libraries' own choice).
     data_interface: str = ""
+    # Whom trainers run as (trainer_user.py); None: the agent's own user.
+    trainer_user: TrainerUser | None = None
 
 
 def trainer_base_env() -> dict[str, str]:
@@ -127,8 +130,11 @@ class Agent:
             settings.trainer_command,
             trainer_base_env(),
             settings.work_dir,
+            settings.trainer_user,
         )
-        self.supervisor = Supervisor(settings.work_dir, self._worker_exited, spares, settings.gpus)
+        self.supervisor = Supervisor(
+            settings.work_dir, self._worker_exited, spares, settings.gpus, settings.trainer_user
+        )
         self._spares = spares
         self.link = TrainerLink(
             settings.node_id,

@@ -184,6 +184,9 @@ class CommandExecutor:
                 )
             )
             env.update(extra_env or {})
+            for directory in (settings.checkpoint_dir, settings.snapshot_dir):
+                if directory is not None:
+                    p.supervisor.give(directory / start.job_id)
             # Spares are the recovery reserve: a job's first start goes cold, so that a
             # failure soon after it still finds one ready.
             p.supervisor.launch(key, settings.trainer_command, env, spare=assignment.generation > 1)

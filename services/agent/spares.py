@@ -11,6 +11,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from services.agent.trainer_user import TrainerUser
 from unicron.trainer.settings import ENV_PREFIX
 
 log = logging.getLogger(__name__)
@@ -33,8 +34,11 @@ class SparePool:
         serves_argv: Sequence[str],
         env: Mapping[str, str],
         work_dir: Path,
+        user: TrainerUser | None = None,
     ) -> None:
-        """Keeps `size` spares (`spare_argv`, in `env`) ready for launches of `serves_argv`."""
+        """Keeps `size` spares (`spare_argv`, in `env`, as `user` when given) ready for launches
+        of `serves_argv`."""
+        self._user = user
         self._size = size
         self._spare_argv = list(spare_argv)
         self._serves_argv = list(serves_argv)
@@ -65,6 +69,7 @@ class SparePool:
                 stdout=subprocess.PIPE,  # one line, READY_LINE; a handover sends it elsewhere
                 stderr=err,
                 start_new_session=True,  # as a trainer: a stop signals its whole group
+                **(self._user.popen_options() if self._user else {}),
             )
         threading.Thread(target=self._await_ready, args=(proc,), name="spare-ready", daemon=True).start()
         log.debug("spare trainer started", extra={"pid": proc.pid})

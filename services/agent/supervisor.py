@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.agent.spares import SparePool
+from services.agent.trainer_user import TrainerUser
 
 log = logging.getLogger(__name__)
 
@@ -99,10 +100,13 @@ class Supervisor:
         on_exit: Callable[[WorkerExit], None],
         spares: SparePool | None = None,
         gpus: Sequence[str] = (),
+        user: TrainerUser | None = None,
     ) -> None:
         """``gpus``: the node's GPU ids, one per slot; a worker sees only its slot's
-        (CUDA_VISIBLE_DEVICES). Empty: a node without GPUs."""
+        (CUDA_VISIBLE_DEVICES). Empty: a node without GPUs. ``user``: whom trainers run as
+        (trainer_user.py; None: the agent's own user)."""
         self._work_dir = work_dir
+        self._user = user
         self._on_exit = on_exit
         self._spares = spares
         self._lock = threading.Lock()
@@ -148,6 +152,7 @@ class Supervisor:
                     # Own session: a stop signals the trainer's whole process tree, and a Ctrl-C
                     # at the agent's terminal does not reach trainers behind the agent's back.
                     start_new_session=True,
+                    **(self._user.popen_options() if self._user else {}),
                 )
         worker = Worker(worker_id, proc, out_path, err_path, slot, key)
         with self._lock:
@@ -174,6 +179,12 @@ class Supervisor:
             },
         )
         return proc.pid
+
+    def give(self, directory: Path) -> None:
+        """With a trainer user, creates ``directory`` as that user's, for trainers to write in
+        (the agent's own user's trainers create their directories themselves)."""
+        if self._user is not None:
+            self._user.give(directory)
 
     def _write_registry(self) -> None:
         """Rewrites the registry (caller holds the lock); atomically, for readers."""

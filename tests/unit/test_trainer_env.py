@@ -4,7 +4,9 @@ the agent's key or certificate, nor any key material."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -55,11 +57,24 @@ def leaks(env: dict[str, str], secrets: list[str]) -> list[str]:
     ]
 
 
-def test_the_trainer_settings_name_the_ca_alone(pki: certs.DevPKI, tls_config: AgentConfig) -> None:
-    env = trainer_env(tls_config)
+def test_the_trainer_settings_name_the_ca_alone(pki: certs.DevPKI, tls_config: AgentConfig, tmp_path: Path) -> None:
+    env = trainer_env(tls_config, tmp_path)
     assert env["UNICRON_TRAINER_TLS_CA"] == str(pki.ca.resolve())
     assert env["UNICRON_TRAINER_PLAINTEXT"] in ("0", "false")
     assert not [name for name in env if name.endswith(("_TLS_CERT", "_TLS_KEY"))], env
+    assert leaks(env, secrets_of(pki, tls_config)) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="an agent with a trainer user runs as root")
+def test_a_trainer_user_is_named_a_copy_of_the_ca_it_can_read(
+    pki: certs.DevPKI, tls_config: AgentConfig, tmp_path: Path
+) -> None:
+    Path(tls_config.join_token_file).chmod(0o600)  # as `unicron certs` writes it
+    config = dataclasses.replace(tls_config, trainer_user="nobody")
+    env = trainer_env(config, tmp_path)
+    copy = Path(env["UNICRON_TRAINER_TLS_CA"])
+    assert copy.parent == tmp_path and copy.read_bytes() == pki.ca.read_bytes()
+    assert copy.stat().st_mode & 0o777 == 0o644
     assert leaks(env, secrets_of(pki, tls_config)) == []
 
 
@@ -101,7 +116,7 @@ def test_a_started_trainer_and_the_spares_get_no_node_secret(
         work_dir=tmp_path / "work",
         stop_grace_s=1.0,
         trainer_command=(sys.executable, "-c", DUMP_ENV, str(dumped)),
-        trainer_env=trainer_env(tls_config),
+        trainer_env=trainer_env(tls_config, tmp_path),
         trainer_address="127.0.0.1:50999",
     )
     agent = Agent(settings, "127.0.0.1:1")
