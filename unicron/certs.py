@@ -203,7 +203,7 @@ def create_dev_pki(
         write(leaf.cert, cert.public_bytes(serialization.Encoding.PEM), secret=False)
         return leaf
 
-    services = {name: issue(f"service:{name}", name) for name in ("coordinator", "planner")}
+    services = {name: issue(f"service:{name}", name) for name in ("coordinator", "planner", "redis")}
     node_leaves = {node: issue(f"node:{node}", f"node-{node}") for node in nodes}
     clients = {user.name: issue(f"client:{user.name}", f"client-{user.name}") for user in users}
 

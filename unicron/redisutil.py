@@ -1,4 +1,7 @@
-"""Redis connections, and a local redis-server for one-machine runs and tests."""
+"""Redis connections, and a local redis-server for one-machine runs and tests.
+
+A ``rediss://`` URL is Redis over mutual TLS: the client checks the server against a CA and
+shows a certificate of its own (``RedisTLS``), as every other hop of the control plane does."""
 
 from __future__ import annotations
 
@@ -7,20 +10,46 @@ import socket
 import subprocess
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import redis
 
 from unicron.errors import FailedPrecondition, Unavailable
 
 
-def connect(url: str) -> redis.Redis:
-    return redis.Redis.from_url(url, socket_timeout=5.0, socket_connect_timeout=2.0)
+@dataclass(frozen=True)
+class RedisTLS:
+    """The files of a TLS connection to Redis: the CA that signed the server's certificate,
+    and this side's certificate and key (a client's, or the server's own)."""
+
+    ca: str
+    cert: str
+    key: str
 
 
-def reachable(url: str) -> bool:
+def tls_options(url: str, tls: RedisTLS | None) -> dict[str, Any]:
+    """redis-py's keyword arguments for ``url``: none for ``redis://``; for ``rediss://`` the
+    CA, certificate and key, and a server certificate that must check out."""
+    if not url.startswith("rediss://"):
+        return {}
+    if tls is None:
+        raise FailedPrecondition(f"{url} is Redis over TLS: it needs a CA, a certificate and a key")
+    return {"ssl_ca_certs": tls.ca, "ssl_certfile": tls.cert, "ssl_keyfile": tls.key, "ssl_cert_reqs": "required"}
+
+
+def connect(
+    url: str, tls: RedisTLS | None = None, timeout_s: float = 5.0, connect_timeout_s: float = 2.0
+) -> redis.Redis:
+    return redis.Redis.from_url(
+        url, socket_timeout=timeout_s, socket_connect_timeout=connect_timeout_s, **tls_options(url, tls)
+    )
+
+
+def reachable(url: str, tls: RedisTLS | None = None) -> bool:
     try:
-        return bool(connect(url).ping())
+        return bool(connect(url, tls).ping())
     except redis.RedisError:
         return False
 
@@ -36,14 +65,23 @@ class LocalRedis:
     and synced on every write, so a restart of Redis, even after SIGKILL, loses nothing."""
 
     def __init__(
-        self, data_dir: Path, port: int | None = None, host: str = "127.0.0.1", prefix: Sequence[str] = ()
+        self,
+        data_dir: Path,
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        prefix: Sequence[str] = (),
+        tls: RedisTLS | None = None,
+        client_tls: RedisTLS | None = None,
     ) -> None:
         """`host`: the address it binds; `prefix`: what its command line runs under (say
-        `ip netns exec <namespace>`, for a test host)."""
+        `ip netns exec <namespace>`, for a test host). `tls`: the server's own certificate and
+        key and the CA its clients must show a certificate of; then it serves TLS alone
+        (rediss://), and `client_tls` is whom it checks itself as while starting."""
         self.data_dir = data_dir
         self.host = host
         self.port = port or (free_port() if host == "127.0.0.1" else 6379)
-        self.url = f"redis://{host}:{self.port}/0"
+        self.tls, self.client_tls = tls, client_tls or tls
+        self.url = f"{'rediss' if tls else 'redis'}://{host}:{self.port}/0"
         self._prefix = list(prefix)
         self._proc: subprocess.Popen[bytes] | None = None
 
@@ -58,8 +96,7 @@ class LocalRedis:
                 binary,
                 "--bind",
                 self.host,
-                "--port",
-                str(self.port),
+                *self._port_arguments(),
                 "--dir",
                 str(self.data_dir),
                 "--appendonly",
@@ -84,11 +121,30 @@ class LocalRedis:
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
                 raise Unavailable(f"redis-server exited early; see {self.data_dir / 'redis.log'}")
-            if reachable(self.url):
+            if reachable(self.url, self.client_tls):
                 return self
             time.sleep(0.05)
         self.stop()
         raise Unavailable(f"redis-server did not answer on port {self.port} within {timeout_s}s")
+
+    def _port_arguments(self) -> list[str]:
+        if self.tls is None:
+            return ["--port", str(self.port)]
+        # TLS alone, and every client shows a certificate the CA signed.
+        return [
+            "--port",
+            "0",
+            "--tls-port",
+            str(self.port),
+            "--tls-cert-file",
+            self.tls.cert,
+            "--tls-key-file",
+            self.tls.key,
+            "--tls-ca-cert-file",
+            self.tls.ca,
+            "--tls-auth-clients",
+            "yes",
+        ]
 
     def kill(self) -> None:
         """SIGKILL, as a crash would: no chance to flush anything."""

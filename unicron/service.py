@@ -52,8 +52,8 @@ class Dependency:
     reachable: Callable[[], bool]
 
 
-def redis_dependency(url: str) -> Dependency:
-    return Dependency("redis", _without_password(url), lambda: redisutil.reachable(url))
+def redis_dependency(url: str, tls: redisutil.RedisTLS | None = None) -> Dependency:
+    return Dependency("redis", _without_password(url), lambda: redisutil.reachable(url, tls))
 
 
 def grpc_dependency(name: str, address: str, security: ClientSecurity | None = None) -> Dependency:

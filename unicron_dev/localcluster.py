@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+import redis
 
 from services.agent.supervisor import REGISTRY_FILE
 from services.coordinator.lease import LEASE_KEY
@@ -26,7 +27,7 @@ from unicron import jobspec, redisutil, rpc
 from unicron.certs import DevPKI, User, create_dev_pki
 from unicron.client import UnicronClient
 from unicron.errors import FailedPrecondition, Unavailable
-from unicron.redisutil import LocalRedis, free_port
+from unicron.redisutil import LocalRedis, RedisTLS, free_port
 from unicron.security import ClientSecurity, load_tls
 from unicron.v1 import common_pb2
 from unicron_dev.netns import Host
@@ -181,8 +182,7 @@ class LocalCluster:
     def active_coordinator(self) -> str | None:
         """The name of the coordinator holding the lease (as Redis says: it may have just
         died, until its lease expires), or None when no one holds it."""
-        assert self.redis_url is not None
-        client = redisutil.connect(self.redis_url)
+        client = self.redis_client()
         try:
             raw = client.get(LEASE_KEY)
         finally:
@@ -308,8 +308,25 @@ class LocalCluster:
         """Addresses the services' certificates name besides localhost and 127.0.0.1."""
         return []
 
+    def redis_client(self) -> redis.Redis:
+        """A connection to this cluster's Redis, as its coordinators make one (over TLS with the
+        coordinator's certificate when the Redis serves TLS)."""
+        assert self.redis_url is not None
+        return redisutil.connect(self.redis_url, self._redis_tls("coordinator"))
+
+    def _redis_tls(self, service: str) -> RedisTLS | None:
+        if self.pki is None:
+            return None
+        leaf = self.pki.services[service]
+        return RedisTLS(str(self.pki.ca), str(leaf.cert), str(leaf.key))
+
     def _new_redis(self) -> LocalRedis:
-        return LocalRedis((self.scratch_dir or self.run_dir) / "redis")
+        """A secure cluster's Redis serves mutual TLS alone, as the rest of its control plane."""
+        return LocalRedis(
+            (self.scratch_dir or self.run_dir) / "redis",
+            tls=self._redis_tls("redis"),
+            client_tls=self._redis_tls("coordinator"),
+        )
 
     def _spawn(self, name: str, module: str, args: list[str], port: int | None = None) -> str:
         """Starts a service; `port` None picks a free one, 0 lets the service bind any."""

@@ -43,7 +43,11 @@ GIL_SWITCH_INTERVAL_S = 0.001
 @dataclass(frozen=True)
 class CoordinatorConfig(TLSConfig):
     bind: str = setting("127.0.0.1:50051", "host:port to serve on (once this process holds the lease)")
-    redis_url: str = setting("redis://127.0.0.1:6379/0", "the Redis that holds the cluster's state and the lease")
+    redis_url: str = setting(
+        "redis://127.0.0.1:6379/0",
+        "the Redis that holds the cluster's state and the lease; rediss://: over mutual TLS, checked against "
+        "--tls-ca, with this coordinator's --tls-cert and --tls-key as its client certificate",
+    )
     planners: tuple[str, ...] = setting(
         ("127.0.0.1:50061",), "planner replicas, host:port, comma-separated; a plan asks the next that answers"
     )
@@ -96,6 +100,16 @@ class CoordinatorConfig(TLSConfig):
         if self.tokens_file:
             TokenBook.load(self.tokens_file)  # a bad file is named now, not at the first call
         require(":" in self.bind, "bind", "must be host:port")
+        require(
+            self.redis_url.startswith(("redis://", "rediss://", "unix://")),
+            "redis_url",
+            f"must be redis://, rediss:// or unix://, got {self.redis_url!r}",
+        )
+        require(
+            not (self.redis_url.startswith("rediss://") and self.plaintext),
+            "redis_url",
+            "rediss:// needs this coordinator's TLS files (--tls-ca, --tls-cert, --tls-key), not --plaintext",
+        )
         if self.metrics_bind:
             parse_bind(self.metrics_bind)
         require(len(self.planners) > 0, "planners", "needs at least one planner address")
@@ -125,13 +139,20 @@ class CoordinatorConfig(TLSConfig):
         )
 
 
+def redis_tls(config: CoordinatorConfig) -> redisutil.RedisTLS | None:
+    """The coordinator's own CA, certificate and key, for a rediss:// Redis."""
+    if config.plaintext or not config.redis_url.startswith("rediss://"):
+        return None
+    return redisutil.RedisTLS(config.tls_ca, config.tls_cert, config.tls_key)
+
+
 def setup(
     config: CoordinatorConfig, server: rpc.Server, log: logging.Logger, lease: Lease | None = None
 ) -> Callable[[], None]:
     """Adds the servicers to the server; returns what starts the reconcile loop. With a
     lease, every state-changing write is fenced by it."""
     coordinator = Coordinator(
-        RedisStore(redisutil.connect(config.redis_url), lease=lease),
+        RedisStore(redisutil.connect(config.redis_url, redis_tls(config)), lease=lease),
         PlannerClient(config.planners, security=config.client()),
         Settings(
             heartbeat_interval_s=config.heartbeat_interval_s,
@@ -184,7 +205,7 @@ def main(argv: Sequence[str], on_lost: Callable[[logging.Logger, str], None] = f
         argv,
         holder.setup,
         prepare=holder.acquire,
-        dependencies=lambda config: [redis_dependency(config.redis_url)],
+        dependencies=lambda config: [redis_dependency(config.redis_url, redis_tls(config))],
         security=security,
         asyncio=True,
     )
@@ -206,7 +227,8 @@ class _LeaseHolder:
 
     def acquire(self, config: CoordinatorConfig, log: logging.Logger, stopping: threading.Event) -> bool:
         setup_metrics(NAME, prometheus=bool(config.metrics_bind))
-        lease = Lease(lease_client(config.redis_url, config.lease_ttl_s), identity_of(config), ttl_s=config.lease_ttl_s)
+        client = lease_client(config.redis_url, config.lease_ttl_s, redis_tls(config))
+        lease = Lease(client, identity_of(config), ttl_s=config.lease_ttl_s)
         try:
             acquired = lease.try_acquire()
         except redis.RedisError:  # Redis not up yet: wait for it as a standby does

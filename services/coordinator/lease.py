@@ -30,6 +30,7 @@ from typing import Any
 
 import redis
 
+from unicron import redisutil
 from unicron.errors import Unavailable
 
 log = logging.getLogger(__name__)
@@ -95,11 +96,11 @@ class Holder:
         return cls(int(parts[0]), parts[1], parts[2] if len(parts) == 3 else "")
 
 
-def lease_client(url: str, ttl_s: float = DEFAULT_TTL_S) -> redis.Redis:
+def lease_client(url: str, ttl_s: float = DEFAULT_TTL_S, tls: redisutil.RedisTLS | None = None) -> redis.Redis:
     """A connection for the lease alone, with timeouts short enough that a hung Redis is
     noticed well within the TTL (the store's connection waits up to 5 s)."""
     timeout = max(0.1, ttl_s / 6)
-    return redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+    return redisutil.connect(url, tls, timeout_s=timeout, connect_timeout_s=timeout)
 
 
 def read_holder(client: redis.Redis, key: str = LEASE_KEY) -> Holder | None:

@@ -15,7 +15,7 @@ import pytest
 
 from services.coordinator.lease import EXIT_LEASE_LOST, FENCE_KEY, LEASE_KEY, Holder
 from tests.e2e.conftest import running
-from unicron import redisutil, rpc
+from unicron import rpc
 from unicron.client import ClientError, UnicronClient
 from unicron.v1 import common_pb2
 from unicron_dev.localcluster import LocalCluster, tiny_gpt
@@ -109,8 +109,7 @@ def test_the_standby_takes_over_and_the_job_finishes_once(
 def test_a_coordinator_whose_lease_was_stolen_writes_nothing_and_exits(cluster: LocalCluster) -> None:
     active = cluster.wait_active_coordinator()
     service = cluster.service(active)
-    assert cluster.redis_url is not None
-    redis = redisutil.connect(cluster.redis_url)
+    redis = cluster.redis_client()
     # What another coordinator's acquisition leaves: a newer fence, another token.
     thief = Holder(int(redis.incr(FENCE_KEY)), "thief", "thief@elsewhere")  # type: ignore[arg-type]
     redis.set(LEASE_KEY, thief.encode(), px=1500)
