@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -92,9 +93,13 @@ class AgentSettings:
     trainer_user: TrainerUser | None = None
 
 
-def trainer_base_env() -> dict[str, str]:
-    """The environment every trainer of this node starts from (its rank's settings added)."""
+def trainer_base_env(home: Path | None = None) -> dict[str, str]:
+    """The environment every trainer of this node starts from (its rank's settings added).
+    ``home``: the HOME of trainers that run as a user of their own, who may not write the
+    agent's (caches: torch's, Triton's, the user's program's)."""
     env = dict(os.environ)
+    if home is not None:
+        env["HOME"] = str(home)
     # One rank per slot: a CPU rank with a thread per core would oversubscribe the node
     # many times over and starve the agent's own heartbeat.
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -124,11 +129,16 @@ class Agent:
         self._errors: dict[WorkerKey, str] = {}  # a trainer's error, for its exit report
         self._health_checks = health_checks or []
         self._health_seen: set[tuple[common_pb2.FailureKind, str]] = set()
+        home = None
+        if settings.trainer_user is not None:
+            home = settings.work_dir / "trainer-home"
+            settings.trainer_user.give(home)
+        base_env = functools.partial(trainer_base_env, home)
         spares = SparePool(
             settings.warm_spares,
             settings.spare_command,
             settings.trainer_command,
-            trainer_base_env(),
+            base_env(),
             settings.work_dir,
             settings.trainer_user,
         )
@@ -163,7 +173,7 @@ class Agent:
                 self.watch,
                 self.client,
                 self.worker_tokens,
-                trainer_base_env,
+                base_env,
                 lambda: self.address,
             )
         )

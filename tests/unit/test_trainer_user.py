@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from services.agent.__main__ import AgentConfig
+from services.agent.agent import trainer_base_env
 from services.agent.supervisor import Supervisor, WorkerExit, WorkerKey
 from services.agent.trainer_user import TrainerUser, check, public_copy, resolve
 from unicron.errors import InvalidArgument
@@ -130,3 +131,9 @@ def test_a_trainer_user_gets_a_copy_of_the_ca_it_can_read(tmp_path: Path) -> Non
     copy = public_copy(ca, tmp_path / "trainer-ca.pem")
     assert copy.read_text() == ca.read_text()
     assert TrainerUser("trainer", ca.stat().st_uid + 1, ca.stat().st_gid + 1).can_read(copy)
+
+
+def test_trainers_of_their_own_user_get_a_home_of_their_own(tmp_path: Path) -> None:
+    """The agent's HOME is the agent's; caches (torch's, Triton's) go where the trainer may write."""
+    assert trainer_base_env(tmp_path / "trainer-home")["HOME"] == str(tmp_path / "trainer-home")
+    assert trainer_base_env().get("HOME") == os.environ.get("HOME")
