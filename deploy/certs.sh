@@ -3,14 +3,16 @@
 # (compose.yaml's `certs` service, the Kubernetes Job `certs` and each agent's init
 # container). Not for production: a development CA (unicron/certs.py).
 #
-#   certs OUT [FLAGS...] [-- DIR=FILE[:NAME],... ...]
+#   certs OUT [FLAGS...] [-- DIR=FILE[:NAME],...[@UID:GID] ...]
 #
 # runs `python -m unicron.cli certs --out OUT FLAGS...` (a CA, a certificate per service,
-# node and user, the users' and the join tokens; a CA and tokens already in OUT are kept,
-# the certificates are issued again), then copies each share: the listed files of OUT into
-# DIR (as NAME), so that a container mounts its own certificate and key and the CA's
-# certificate, never the CA's key nor another's. Run as root (compose, whose named volumes
-# are root's), it gives what it wrote to the image's user, uid 10001.
+# node, backend and user, the users' and the join tokens; a CA and tokens already in OUT
+# are kept, the certificates are issued again), then copies each share: the listed files of
+# OUT into DIR (as NAME), so that a container mounts its own certificate and key and the
+# CA's certificate, never the CA's key nor another's. Run as root (compose, whose named
+# volumes are root's), it gives what it wrote to the image's user, uid 10001, or to the
+# share's @UID:GID: the keys are 0600, and another image's program (Redis's, uid 999) must
+# own its own to read it.
 #
 # UNICRON_CA_FROM=DIR: the CA is DIR's (ca.pem and ca-key.pem, waited for until they are
 # there), and OUT is removed once shared: an agent pod issuing its own node certificate.
@@ -52,6 +54,13 @@ python -m unicron.cli certs --out "$out" "$@"
 echo "unicron-certs: certificates in $out" >&2
 
 for share in $shares; do
+    share_owner="$owner"
+    case "$share" in
+    *@*)
+        [ -n "$owner" ] && share_owner="${share##*@}"
+        share="${share%@*}"
+        ;;
+    esac
     dir="${share%%=*}"
     files="${share#*=}"
     mkdir -p "$dir"
@@ -64,8 +73,8 @@ for share in $shares; do
         mv "$dir/.$name.tmp" "$dir/$name"
     done
     IFS="$old_ifs"
-    [ -n "$owner" ] && chown -R "$owner" "$dir"
-    echo "unicron-certs: shared $files in $dir" >&2
+    [ -n "$share_owner" ] && chown -R "$share_owner" "$dir"
+    echo "unicron-certs: shared $files in $dir${share_owner:+ (owner $share_owner)}" >&2
 done
 
 [ -n "$owner" ] && chown -R "$owner" "$out"

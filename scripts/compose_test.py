@@ -10,12 +10,13 @@ runs) and compose.host.yaml on top of compose.yaml: every service on the host's 
 place of the collector and the viewer.
 
 Steps: start the engine; build the images; check that a container missing a setting or
-its dependency says which and exits non-zero; `up`; submit a job with the host's
-`unicron` CLI; kill one of its trainers (SIGKILL, inside an agent's container); see the
-incident, the job resume and succeed, and the incident's trace in the viewer's query API;
-then `down`, stop the engine, and check that no container, engine process, network
-interface, firewall rule or forwarding setting is left changed. Needs root. Not part of
-`make test`."""
+its dependency says which and exits non-zero; `up` (mutual TLS between every service, Redis
+and the collector stand-in included, as compose.yaml by default); submit a job with the
+host's `unicron` CLI, as the admin of the `certs` step's share; kill one of its trainers
+(SIGKILL, inside an agent's container); see the incident, the job resume and succeed, and
+the incident's trace in the viewer's query API; then `down`, stop the engine, and check that
+no container, engine process, network interface, firewall rule or forwarding setting is
+left changed. Needs root. Not part of `make test`."""
 
 from __future__ import annotations
 
@@ -51,12 +52,11 @@ UPSTREAM_REDIS = "redis:7.2-bookworm"
 WHEELS = ROOT / "deploy" / "wheels"
 LOCK = ROOT / "deploy" / "requirements.lock"
 PROJECT = "unicron-compose-test"
-# Plaintext (compose.plaintext.yaml): the host's CLI and client here speak it. The stack's
-# default, mutual TLS, is checked without Docker by tests/unit/test_compose.py.
+# The stack's default, mutual TLS everywhere (Redis and the collector included): the host's
+# CLI and client show the admin's certificate and token from the `cli` share.
 COMPOSE_FILES = [
     *("-f", str(ROOT / "deploy" / "compose.yaml")),
     *("-f", str(ROOT / "deploy" / "compose.host.yaml")),
-    *("-f", str(ROOT / "deploy" / "compose.plaintext.yaml")),
 ]
 IMAGE = "unicron:0.1.0"
 MERGED = CACHE / "compose.merged.yaml"
@@ -371,6 +371,21 @@ def check_bad_input() -> None:
         say(f"bad input, {what}: exit {code}: {lines[0][:160]}")
 
 
+def admin_from_the_cli_share() -> None:
+    """The host's CLI and client as the stack's admin: the `certs` step's share for the CLI
+    (its volume, read where the engine keeps it), named in this process's environment."""
+    volume = f"{PROJECT}_certs-cli"
+    place = Path(run(["docker", "volume", "inspect", "--format", "{{.Mountpoint}}", volume]).strip())
+    exported = dict(
+        line.removeprefix("export ").split("=", 1) for line in (place / "admin.env").read_text().splitlines() if line
+    )
+    for variable in ("UNICRON_TLS_CA", "UNICRON_TLS_CERT", "UNICRON_TLS_KEY"):
+        os.environ[variable] = str(place / Path(exported[variable]).name)  # admin.env names the container's
+    os.environ["UNICRON_TOKEN"] = exported["UNICRON_TOKEN"]
+    os.environ.pop("UNICRON_PLAINTEXT", None)
+    say(f"the host's CLI speaks mutual TLS as the admin (files of volume {volume})")
+
+
 # ---- the job ---------------------------------------------------------------------------
 
 
@@ -491,8 +506,6 @@ def main() -> int:
         return 2
     ensure_tools()
     check_ports_free()
-    # The stack serves plaintext gRPC (compose.plaintext.yaml); the host's CLI and client must say so.
-    os.environ["UNICRON_PLAINTEXT"] = "1"
     before = host_state()
     engine = Engine()
     compose: list[str] = []
@@ -524,6 +537,7 @@ def main() -> int:
         say(f"stack up in {timings['up']:.0f}s: {', '.join(services)}")
         if networks() != networks_before:
             raise AssertionError(f"compose created networks: {sorted(networks() - networks_before)}")
+        admin_from_the_cli_share()
         timings.update(job_runs_and_heals(compose))
     except BaseException as exc:  # noqa: BLE001 - report, then tear down whatever happened
         failed = exc

@@ -3,7 +3,10 @@ cluster's tokens, written to one directory (`make certs`, `unicron certs`, Local
 
 Identities live in each certificate's common name, `<kind>:<name>` (unicron.security reads
 them): `service:coordinator`, `service:planner`, `node:<node id>`, and `client:<user>`
-for the CLI, which only encrypts (users authenticate with their token). Every leaf may
+for the CLI, which only encrypts (users authenticate with their token). The programs the
+services depend on get `backend:<name>` (`backend:redis`, `backend:otel-collector`): they
+serve TLS with it and call Unicron as no one, since no Unicron server admits that kind,
+so their keys, in other images, open nothing of the control plane. Every leaf may
 serve and call (a service is both), and names localhost, 127.0.0.1 and ::1 plus the extra
 hosts given. Keys are ECDSA P-256: fast to make, which LocalCluster does on every start.
 
@@ -29,6 +32,9 @@ CA_CERT = "ca.pem"
 CA_KEY = "ca-key.pem"
 TOKENS_FILE = "tokens.yaml"
 JOIN_TOKEN_FILE = "join-token"
+SERVICES = ("coordinator", "planner")
+# What the services talk to: the coordinator's Redis, the OpenTelemetry collector.
+BACKENDS = ("redis", "otel-collector")
 
 
 @dataclass(frozen=True)
@@ -55,6 +61,7 @@ class DevPKI:
     join_token_file: Path
     services: dict[str, Leaf] = field(default_factory=dict)
     nodes: dict[str, Leaf] = field(default_factory=dict)
+    backends: dict[str, Leaf] = field(default_factory=dict)
     clients: dict[str, Leaf] = field(default_factory=dict)
     tokens: dict[str, str] = field(default_factory=dict)  # user -> token
     join_token: str = ""
@@ -203,7 +210,8 @@ def create_dev_pki(
         write(leaf.cert, cert.public_bytes(serialization.Encoding.PEM), secret=False)
         return leaf
 
-    services = {name: issue(f"service:{name}", name) for name in ("coordinator", "planner", "redis")}
+    services = {name: issue(f"service:{name}", name) for name in SERVICES}
+    backends = {name: issue(f"backend:{name}", name) for name in BACKENDS}
     node_leaves = {node: issue(f"node:{node}", f"node-{node}") for node in nodes}
     clients = {user.name: issue(f"client:{user.name}", f"client-{user.name}") for user in users}
 
@@ -241,6 +249,7 @@ def create_dev_pki(
         join_token_file=join_path,
         services=services,
         nodes=node_leaves,
+        backends=backends,
         clients=clients,
         tokens=tokens,
         join_token=join_token,

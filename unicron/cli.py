@@ -386,7 +386,8 @@ def build_parser(simulate: bool = False) -> argparse.ArgumentParser:
     certs = sub.add_parser(
         "certs",
         help="create a development CA, certificates and tokens (not for production)",
-        description="Writes ca.pem, a certificate per service, node and user, tokens.yaml (the "
+        description="Writes ca.pem, a certificate per service, node and user and for Redis and the "
+        "OpenTelemetry collector, tokens.yaml (the "
         "coordinator's --tokens-file), join-token and <user>.env (source it to use the CLI). An "
         "existing CA and tokens are kept.",
     )
@@ -412,6 +413,10 @@ def make_certs(args: argparse.Namespace, out: TextIO) -> int:
     out.write(f"  coordinator: --tls-ca {pki.ca} --tls-cert {d}/coordinator.pem --tls-key {d}/coordinator-key.pem\n")
     out.write(f"               --tokens-file {pki.tokens_file}\n")
     out.write(f"  planner:     --tls-ca {pki.ca} --tls-cert {d}/planner.pem --tls-key {d}/planner-key.pem\n")
+    redis, collector = pki.backends["redis"], pki.backends["otel-collector"]
+    out.write(f"  redis:       --tls-ca-cert-file {pki.ca} --tls-cert-file {redis.cert} --tls-key-file {redis.key}\n")
+    out.write(f"  otel collector (receiver tls): client_ca_file {pki.ca}, cert_file {collector.cert},\n")
+    out.write(f"               key_file {collector.key}\n")
     for node, leaf in pki.nodes.items():
         out.write(f"  agent {node}: --node-id {node} --tls-ca {pki.ca} --tls-cert {leaf.cert} --tls-key {leaf.key}\n")
     for user in pki.clients:

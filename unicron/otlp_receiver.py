@@ -5,7 +5,10 @@ another OTLP endpoint when asked, and answers a subset of Jaeger's query API
 Tests use it in process as the collector; `python -m unicron.otlp_receiver` stands in for
 the OpenTelemetry collector and the Jaeger viewer where their images cannot be pulled (the
 compose test, `deploy/compose.host.yaml`). The HTTP answers have Jaeger's shape, so what
-reads them works against a real Jaeger too."""
+reads them works against a real Jaeger too. With `--tls-ca`, `--tls-cert` and `--tls-key`
+it serves OTLP over mutual TLS, as the collector of compose.yaml does: every exporter shows
+a certificate of that CA (the standard OTEL_EXPORTER_OTLP_CERTIFICATE, _CLIENT_CERTIFICATE
+and _CLIENT_KEY)."""
 
 from __future__ import annotations
 
@@ -25,6 +28,9 @@ from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metric
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.common.v1 import common_pb2
 from opentelemetry.proto.trace.v1 import trace_pb2
+
+from unicron.errors import InvalidArgument
+from unicron.security.tls import TLS, load_tls
 
 
 class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
@@ -74,13 +80,21 @@ class MetricsReceiver(metrics_service_pb2_grpc.MetricsServiceServicer):
         return metrics_service_pb2.ExportMetricsServiceResponse()
 
 
-def serve(bind: str, forward: str | None = None) -> tuple[grpc.Server, Receiver, int]:
-    """Starts the OTLP/gRPC server; returns it, its trace receiver and its port."""
+def serve(bind: str, forward: str | None = None, tls: TLS | None = None) -> tuple[grpc.Server, Receiver, int]:
+    """Starts the OTLP/gRPC server; returns it, its trace receiver and its port. With `tls`
+    (its CA, certificate and key), over TLS, and only to clients with a certificate of the CA."""
     receiver = Receiver(forward)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     trace_service_pb2_grpc.add_TraceServiceServicer_to_server(receiver, server)
     metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(MetricsReceiver(forward), server)
-    port = server.add_insecure_port(bind)
+    if tls is None:
+        port = server.add_insecure_port(bind)
+    else:
+        assert tls.ca is not None and tls.cert is not None and tls.key is not None
+        credentials = grpc.ssl_server_credentials(
+            [(tls.key, tls.cert)], root_certificates=tls.ca, require_client_auth=True
+        )
+        port = server.add_secure_port(bind, credentials)
     if port == 0:
         raise OSError(f"cannot bind the OTLP receiver to {bind}")
     server.start()
@@ -167,10 +181,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--bind", default="127.0.0.1:4317", help="OTLP/gRPC address")
     parser.add_argument("--http", default="", help="query API address (host:port); none if empty")
     parser.add_argument("--forward", default="", help="OTLP/gRPC endpoint (host:port) to pass everything on to")
+    parser.add_argument("--tls-ca", default="", help="serve mutual TLS: the CA every client's certificate is of")
+    parser.add_argument("--tls-cert", default="", help="with --tls-ca: this receiver's certificate")
+    parser.add_argument("--tls-key", default="", help="with --tls-ca: this receiver's key")
     args = parser.parse_args(argv)
-    server, receiver, port = serve(args.bind, args.forward or None)
+    given = [bool(args.tls_ca), bool(args.tls_cert), bool(args.tls_key)]
+    if any(given) and not all(given):
+        parser.error("--tls-ca, --tls-cert and --tls-key go together")
+    try:
+        tls = load_tls(args.tls_ca, args.tls_cert, args.tls_key) if all(given) else None
+    except InvalidArgument as exc:
+        parser.error(str(exc))
+    server, receiver, port = serve(args.bind, args.forward or None, tls)
     web = http_server(args.http, receiver) if args.http else None
-    print(f"otlp receiver on port {port}" + (f", query API on {args.http}" if web else ""), file=sys.stderr, flush=True)
+    over = "mutual TLS" if tls else "plaintext"
+    print(
+        f"otlp receiver on port {port} ({over})" + (f", query API on {args.http}" if web else ""),
+        file=sys.stderr,
+        flush=True,
+    )
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     signal.signal(signal.SIGINT, lambda *_: done.set())

@@ -314,17 +314,17 @@ class LocalCluster:
         assert self.redis_url is not None
         return redisutil.connect(self.redis_url, self._redis_tls("coordinator"))
 
-    def _redis_tls(self, service: str) -> RedisTLS | None:
+    def _redis_tls(self, name: str, backend: bool = False) -> RedisTLS | None:
         if self.pki is None:
             return None
-        leaf = self.pki.services[service]
+        leaf = (self.pki.backends if backend else self.pki.services)[name]
         return RedisTLS(str(self.pki.ca), str(leaf.cert), str(leaf.key))
 
     def _new_redis(self) -> LocalRedis:
         """A secure cluster's Redis serves mutual TLS alone, as the rest of its control plane."""
         return LocalRedis(
             (self.scratch_dir or self.run_dir) / "redis",
-            tls=self._redis_tls("redis"),
+            tls=self._redis_tls("redis", backend=True),
             client_tls=self._redis_tls("coordinator"),
         )
 

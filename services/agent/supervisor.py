@@ -34,7 +34,19 @@ OUTPUT_HISTORY = 4096
 # link. A trainer runs the user's program; it proves itself to its agent by its worker token
 # and checks the agent against the CA, and needs no credential of the node's.
 AGENT_ENV_PREFIX = "UNICRON_AGENT_"
-NEVER_INHERITED = frozenset({"UNICRON_TRAINER_TLS_CERT", "UNICRON_TRAINER_TLS_KEY"})
+# The OTLP exporter's client certificate is the node's own (the compose stack's agents export
+# with it): a trainer, which exports nothing, is not told where its key lies.
+NEVER_INHERITED = frozenset(
+    {
+        "UNICRON_TRAINER_TLS_CERT",
+        "UNICRON_TRAINER_TLS_KEY",
+        *(
+            f"OTEL_EXPORTER_OTLP{signal}_CLIENT_{part}"
+            for signal in ("", "_TRACES", "_METRICS", "_LOGS")
+            for part in ("KEY", "CERTIFICATE")
+        ),
+    }
+)
 _KEY_MATERIAL = "PRIVATE KEY-----"
 
 

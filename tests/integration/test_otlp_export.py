@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from unicron import certs
 from unicron.otlp_receiver import Receiver, serve
+from unicron.security.tls import load_tls
 
 pytestmark = pytest.mark.integration
 
@@ -51,11 +53,11 @@ def receiver() -> Iterator[tuple[Receiver, int]]:
     server.stop(0)
 
 
-def run_role(port: int, *args: str) -> str:
+def run_role(port: int, *args: str, otel: dict[str, str] | None = None) -> str:
+    """Runs one role; `otel`: the exporter's settings (default: plaintext to `port`)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_") and not k.startswith("UNICRON_TRACE")}
     env.update(
-        OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{port}",
-        OTEL_EXPORTER_OTLP_INSECURE="true",
+        otel or {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}", "OTEL_EXPORTER_OTLP_INSECURE": "true"},
         PYTHONPATH=str(ROOT),
     )
     done = subprocess.run(
@@ -92,3 +94,34 @@ def test_incident_trace_reaches_an_otlp_receiver_across_processes(receiver: tupl
     assert plan_attributes["unicron.plan.objective"].double_value == 3.0
     transition_attributes = {a.key: a.value for a in by_name["transition"][1].attributes}
     assert transition_attributes["unicron.transition.bytes_moved"].int_value == 4096
+
+
+def test_traces_travel_over_mutual_tls_and_no_certificate_gets_none_in(tmp_path: Path) -> None:
+    """The compose stack's collector serves OTLP over mutual TLS: a service that shows its
+    certificate through the standard variables is heard, one without is not."""
+    pki = certs.create_dev_pki(tmp_path / "pki", nodes=[])
+    collector = pki.backends["otel-collector"]
+    server, servicer, port = serve("127.0.0.1:0", tls=load_tls(str(pki.ca), str(collector.cert), str(collector.key)))
+    try:
+        endpoint = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"https://127.0.0.1:{port}"}
+        # The CA alone: the handshake fails (the exporter logs it and exits 0), nothing arrives.
+        run_role(port, "coordinator-before", otel={**endpoint, "OTEL_EXPORTER_OTLP_CERTIFICATE": str(pki.ca)})
+        assert servicer.spans() == []
+
+        leaf = pki.services["coordinator"]
+        traceparent = run_role(
+            port,
+            "coordinator-before",
+            otel={
+                **endpoint,
+                "OTEL_EXPORTER_OTLP_CERTIFICATE": str(pki.ca),
+                "OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE": str(leaf.cert),
+                "OTEL_EXPORTER_OTLP_CLIENT_KEY": str(leaf.key),
+            },
+        )
+        received = servicer.spans()
+        assert sorted(span.name for _, span in received) == ["classify", "detect", "plan"]
+        assert {span.trace_id.hex() for _, span in received} == {traceparent.split("-")[1]}
+        assert {service for service, _ in received} == {"unicron-coordinator"}
+    finally:
+        server.stop(0)

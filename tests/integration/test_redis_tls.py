@@ -28,8 +28,8 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> certs.DevPKI:
     return certs.create_dev_pki(tmp_path_factory.mktemp("pki"), nodes=[])
 
 
-def tls_of(pki: certs.DevPKI, service: str) -> redisutil.RedisTLS:
-    leaf = pki.services[service]
+def tls_of(pki: certs.DevPKI, name: str) -> redisutil.RedisTLS:
+    leaf = pki.backends[name] if name in pki.backends else pki.services[name]
     return redisutil.RedisTLS(str(pki.ca), str(leaf.cert), str(leaf.key))
 
 

@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -33,14 +34,13 @@ NOT_IN_IMAGE |= {"scikit-learn"}
 NOT_IN_IMAGE |= {"nvidia-ml-py"}
 
 
-# What the Compose CLIs must accept: the stack, on the host's network, and either in plaintext.
+# What the Compose CLIs must accept: the stack, on the host's network, and in plaintext.
 FILE_SETS = [
     [arg for name in names for arg in ("-f", str(DEPLOY / name))]
     for names in (
         ["compose.yaml"],
         ["compose.yaml", "compose.host.yaml"],
         ["compose.yaml", "compose.plaintext.yaml"],
-        ["compose.yaml", "compose.host.yaml", "compose.plaintext.yaml"],
     )
 ]
 
@@ -114,7 +114,7 @@ def test_every_unicron_service_is_one_image_with_its_required_settings() -> None
         assert service["build"]["dockerfile"] == "deploy/Dockerfile", name
         missing = [v for v in required[role(service)] if v not in service["environment"]]
         assert not missing, f"{name} lacks {missing}"
-        assert service["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector:4317"
+        assert service["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "https://otel-collector:4317"
     # Every agent of the stack shares one checkpoint volume: a job's nodes read one directory.
     agents = [s for s in services.values() if s.get("command") == ["agent"]]
     assert all("checkpoints:/var/lib/unicron/checkpoints" in a["volumes"] for a in agents)
@@ -319,16 +319,25 @@ def test_no_service_runs_plaintext_by_default(override: str) -> None:
 
 
 def test_plaintext_is_an_override_that_asks_for_it_everywhere() -> None:
-    for name, service in unicron_services(merged("compose.plaintext.yaml")).items():
+    services = merged("compose.plaintext.yaml")
+    for name, service in unicron_services(services).items():
         env, prefix = service["environment"], PREFIX[role(service)]
         assert said_true(env[f"{prefix}PLAINTEXT"]), name
         assert not any(env.get(f"{prefix}{v}") for v in CERTS_VARIABLES), name
-    assert merged("compose.plaintext.yaml")["coordinator"]["environment"]["UNICRON_COORDINATOR_TOKENS_FILE"] == ""
+        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"].startswith("http://"), name
+        assert not any(env.get(v) for v in OTLP_TLS), name
+    coordinator = services["coordinator"]["environment"]
+    assert coordinator["UNICRON_COORDINATOR_TOKENS_FILE"] == ""
+    assert coordinator["UNICRON_COORDINATOR_REDIS_URL"].startswith("redis://")
+    assert not [arg for arg in services["redis"]["command"] if arg.startswith("--tls")]
+    assert "--tls" not in services["redis"]["healthcheck"]["test"]
+    assert services["otel-collector"]["command"] == ["--config=/etc/otelcol/config.yaml"]
 
 
 def certs_step() -> tuple[list[str], dict[str, str], dict[str, str]]:
     """The `certs` service's `unicron certs` flags (its output directory first), its shares
-    (directory -> files) and its volumes (mount point -> volume)."""
+    (directory -> files, with the share's @owner if it names one) and its volumes (mount
+    point -> volume)."""
     service = load("compose.yaml")["services"]["certs"]
     assert service["command"][0] == "certs" and service["restart"] == "no"
     args = service["command"][1:]
@@ -338,15 +347,68 @@ def certs_step() -> tuple[list[str], dict[str, str], dict[str, str]]:
     return args[:cut], shares, mounts
 
 
-def test_the_certs_step_shares_every_file_a_service_is_configured_with() -> None:
+def shared_files() -> dict[str, set[str]]:
+    """Volume -> the files the certs step puts in it."""
     _, shares, mounts = certs_step()
-    shared = {mounts[directory]: {f.split(":")[-1] for f in files.split(",")} for directory, files in shares.items()}
+    return {
+        mounts[directory]: {f.split(":")[-1] for f in files.partition("@")[0].split(",")}
+        for directory, files in shares.items()
+    }
+
+
+def in_its_share(service: dict[str, Any], path: str) -> bool:
+    """Whether `path`, as the service names it, is a file of a share the service mounts."""
+    volumes = {target: volume for volume, target in (m.split(":")[:2] for m in service.get("volumes", []))}
+    folder, _, file = path.rpartition("/")
+    return file in shared_files().get(volumes.get(folder, ""), set())
+
+
+def test_the_certs_step_shares_every_file_a_service_is_configured_with() -> None:
     for name, service in unicron_services(load("compose.yaml")["services"]).items():
         env, prefix = service["environment"], PREFIX[role(service)]
-        volumes = {target: volume for volume, target in (m.split(":")[:2] for m in service.get("volumes", []))}
         for variable in CERTS_VARIABLES:
-            folder, _, file = env[f"{prefix}{variable}"].rpartition("/")
-            assert file in shared.get(volumes.get(folder, ""), set()), (name, variable, volumes.get(folder))
+            assert in_its_share(service, env[f"{prefix}{variable}"]), (name, variable)
+
+
+OTLP_TLS = ("OTEL_EXPORTER_OTLP_CERTIFICATE", "OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE", "OTEL_EXPORTER_OTLP_CLIENT_KEY")
+
+
+def flag(command: list[str], name: str) -> str:
+    return command[command.index(name) + 1]
+
+
+@pytest.mark.parametrize("override", ["", "compose.host.yaml"])
+def test_redis_and_the_collector_take_mutual_tls_alone_by_default(override: str) -> None:
+    services = merged(override) if override else load("compose.yaml")["services"]
+    redis = services["redis"]
+    command = redis["command"]
+    assert flag(command, "--port") == "0" and flag(command, "--tls-auth-clients") == "yes"
+    for option in ("--tls-cert-file", "--tls-key-file", "--tls-ca-cert-file"):
+        assert in_its_share(redis, flag(command, option)), option
+    assert "--tls" in redis["healthcheck"]["test"]
+    assert redis["depends_on"]["certs"]["condition"] == "service_completed_successfully"
+    assert services["coordinator"]["environment"]["UNICRON_COORDINATOR_REDIS_URL"].startswith("rediss://")
+    # Redis's image runs as its own user: its share is that user's, or Redis cannot read the key.
+    assert certs_step()[1]["/shares/redis"].endswith("@999:999")
+
+    collector = services["otel-collector"]
+    if override:  # the stand-in: the local OTLP receiver with the same share
+        for option in ("--tls-ca", "--tls-cert", "--tls-key"):
+            assert in_its_share(collector, flag(collector["command"], option)), option
+    else:
+        assert collector["command"] == ["--config=/etc/otelcol/config.yaml", "--config=/etc/otelcol/tls.yaml"]
+        assert "./otel-collector.tls.yaml:/etc/otelcol/tls.yaml:ro" in collector["volumes"]
+        tls = yaml.safe_load((DEPLOY / "otel-collector.tls.yaml").read_text())["receivers"]["otlp"]["protocols"]
+        files = tls["grpc"]["tls"]
+        assert set(files) == {"cert_file", "key_file", "client_ca_file"}  # client_ca_file: mutual
+        assert all(in_its_share(collector, path) for path in files.values()), files
+    for name, service in unicron_services(services).items():
+        env = service["environment"]
+        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"].startswith("https://"), name
+        assert "OTEL_EXPORTER_OTLP_INSECURE" not in env, name
+        assert all(in_its_share(service, env[variable]) for variable in OTLP_TLS), name
+        # Each shows its own certificate: the one it serves with.
+        assert env["OTEL_EXPORTER_OTLP_CLIENT_KEY"] == env[f"{PREFIX[role(service)]}TLS_KEY"], name
 
 
 @pytest.fixture(scope="module")
@@ -362,7 +424,7 @@ def stack_certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     places = {volume: root / volume for volume in mounts.values()}
     where = {target: str(places[volume]) for target, volume in mounts.items()}
     out = where[flags[0]]
-    args = [out, *flags[1:], "--", *(f"{where[d]}={files}" for d, files in shares.items())]
+    args = [out, *flags[1:], "--", *(f"{where[d]}={files}" for d, files in shares.items())]  # @owner: root only
     done = subprocess.run(
         ["sh", str(DEPLOY / "certs.sh"), *args],
         env={**os.environ, "PATH": f"{shim}:/usr/bin:/bin", "PYTHONPATH": str(ROOT)},
@@ -419,6 +481,63 @@ def test_the_certs_step_makes_what_every_service_runs_with(stack_certs: dict[str
     assert not [v for v, place in stack_certs.items() if v != "pki" and (place / "ca-key.pem").exists()]
 
 
+def test_redis_runs_on_its_share_and_admits_the_coordinator_alone(stack_certs: dict[str, Path], tmp_path: Path) -> None:
+    """compose.yaml's Redis command, run here on the certs step's shares: the coordinator's
+    settings reach it over TLS; a client with no certificate does not."""
+    import shutil
+
+    import redis as redis_py
+
+    from services.coordinator.__main__ import CoordinatorConfig, redis_tls
+    from unicron import redisutil
+
+    binary = shutil.which("redis-server")
+    assert binary, "redis-server is not installed (make redis)"
+    services = load("compose.yaml")["services"]
+    port = free_port()
+    command = [
+        arg.replace("/var/lib/unicron/certs", str(stack_certs["certs-redis"])).replace("/data", str(tmp_path))
+        for arg in services["redis"]["command"]
+    ]
+    command[command.index("--tls-port") + 1] = str(port)
+    proc = subprocess.Popen([binary, *command[1:], "--bind", "127.0.0.1"], stdout=subprocess.DEVNULL)
+    try:
+        env = service_env(services["coordinator"], stack_certs)
+        url = env["UNICRON_COORDINATOR_REDIS_URL"].replace("redis:6379", f"127.0.0.1:{port}")
+        config = CoordinatorConfig(
+            redis_url=url,
+            tls_ca=env["UNICRON_COORDINATOR_TLS_CA"],
+            tls_cert=env["UNICRON_COORDINATOR_TLS_CERT"],
+            tls_key=env["UNICRON_COORDINATOR_TLS_KEY"],
+            tokens_file=env["UNICRON_COORDINATOR_TOKENS_FILE"],
+        )
+        deadline = time.monotonic() + 10
+        while not redisutil.reachable(url, redis_tls(config)):
+            assert time.monotonic() < deadline and proc.poll() is None, "Redis never answered the coordinator"
+            time.sleep(0.1)
+        anonymous = redis_py.Redis.from_url(url, socket_timeout=2.0, ssl_ca_certs=env["UNICRON_COORDINATOR_TLS_CA"])
+        with pytest.raises(redis_py.RedisError):
+            anonymous.ping()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_the_backends_certificates_name_them_and_open_nothing(stack_certs: dict[str, Path]) -> None:
+    from cryptography import x509
+
+    from unicron.security.identity import certificate_principal
+
+    for backend, volume in (("redis", "certs-redis"), ("otel-collector", "certs-otel-collector")):
+        cert = x509.load_pem_x509_certificate((stack_certs[volume] / f"{backend}.pem").read_bytes())
+        common_name = str(cert.subject.get_attributes_for_oid(x509.NameOID.COMMON_NAME)[0].value)
+        assert common_name == f"backend:{backend}" and certificate_principal(common_name) is None
+        names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        assert backend in names.get_values_for_type(x509.DNSName)  # the name the stack dials
+        assert (stack_certs[volume] / f"{backend}-key.pem").is_file()
+        assert not (stack_certs[volume] / "ca-key.pem").exists()
+
+
 def test_the_health_check_speaks_the_services_tls(
     stack_certs: dict[str, Path], health: ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -445,6 +564,25 @@ def test_the_health_check_speaks_the_services_tls(
         assert health.main([]) == 1
     finally:
         server.stop()
+
+
+def test_the_build_context_holds_everything_the_dockerfile_copies() -> None:
+    """.dockerignore keeps all but what it lists out of the context: a COPY of anything else
+    fails the build (requirements-gpu.txt, certs.sh, examples/ and unicron_sim/ once did)."""
+    allowed = [
+        line[1:].rstrip("/") for line in (ROOT / ".dockerignore").read_text().splitlines() if line.startswith("!")
+    ]
+    lines = (DEPLOY / "Dockerfile").read_text().splitlines()
+    copied = [
+        source.rstrip("/")
+        for line in lines
+        if line.startswith("COPY ") and "--from=" not in line
+        for source in line.split()[1:-1]
+    ]
+    assert "deploy/requirements-gpu.txt" in copied and "examples" in copied
+    for source in copied:
+        assert any(source == a or source.startswith(f"{a}/") for a in allowed), source
+        assert (ROOT / source).exists(), source
 
 
 def test_the_gpu_build_swaps_torch_and_adds_nvml(tmp_path: Path) -> None:

@@ -112,7 +112,7 @@ def test_the_workloads_the_issue_asks_for(objects: list[Object]) -> None:
     # Coordinators: more than one, on the Redis lease; only the active one is Ready.
     assert deployments["coordinator"]["spec"]["replicas"] >= 2
     coordinator_env = _env(deployments["coordinator"])
-    assert coordinator_env["UNICRON_COORDINATOR_REDIS_URL"].startswith("redis://redis:")
+    assert coordinator_env["UNICRON_COORDINATOR_REDIS_URL"].startswith("rediss://redis:")
     # Planner replicas, scaled by an autoscaler.
     hpa = by_kind(objects, "HorizontalPodAutoscaler")["planner"]
     assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "planner"}
@@ -188,12 +188,50 @@ def test_every_service_runs_mutual_tls_by_default(objects: list[Object]) -> None
     assert _env(coordinator)["UNICRON_COORDINATOR_TOKENS_FILE"].endswith("tokens.yaml")
 
 
+def _mounted(container: Object, path: str) -> bool:
+    return any(
+        path == m["mountPath"] or path.startswith(m["mountPath"].rstrip("/") + "/")
+        for m in container.get("volumeMounts", [])
+    )
+
+
+def test_redis_and_the_collector_take_mutual_tls_alone(objects: list[Object]) -> None:
+    redis_pod = by_kind(objects, "StatefulSet")["redis"]["spec"]["template"]["spec"]
+    (redis,) = redis_pod["containers"]
+    args = redis["args"]
+    assert args[args.index("--port") + 1] == "0" and args[args.index("--tls-auth-clients") + 1] == "yes"
+    for option in ("--tls-cert-file", "--tls-key-file", "--tls-ca-cert-file"):
+        assert _mounted(redis, args[args.index(option) + 1]), option
+    assert "--tls" in redis["readinessProbe"]["exec"]["command"]
+    # The Job writes the keys 0600 as uid 10001: Redis must run as that user to read its own.
+    assert redis_pod["securityContext"]["runAsUser"] == 10001
+
+    collector_pod = by_kind(objects, "Deployment")["otel-collector"]["spec"]["template"]["spec"]
+    (collector,) = collector_pod["containers"]
+    config = yaml.safe_load(by_kind(objects, "ConfigMap")["otel-collector"]["data"]["config.yaml"])
+    tls = config["receivers"]["otlp"]["protocols"]["grpc"]["tls"]
+    assert set(tls) == {"cert_file", "key_file", "client_ca_file"}
+    assert all(_mounted(collector, path) for path in tls.values()), tls
+    assert collector_pod["securityContext"]["runAsUser"] == 10001
+
+    for obj in objects:
+        for container in _containers(obj):
+            if not _service(container):
+                continue
+            env = {item["name"]: item.get("value", "") for item in container.get("env", [])}
+            assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "https://otel-collector:4317", obj["metadata"]["name"]
+            prefix = f"UNICRON_{_service(container).upper()}_"
+            assert env["OTEL_EXPORTER_OTLP_CLIENT_KEY"] == env[f"{prefix}TLS_KEY"], obj["metadata"]["name"]
+            assert env["OTEL_EXPORTER_OTLP_CERTIFICATE"] == env[f"{prefix}TLS_CA"], obj["metadata"]["name"]
+
+
 def test_the_certificates_are_made_by_an_init_step(objects: list[Object]) -> None:
     job = by_kind(objects, "Job")["certs"]["spec"]["template"]["spec"]
     (maker,) = job["containers"]
     assert maker["args"][:2] == ["certs", "/var/lib/unicron/pki/unicron"]
     hosts = maker["args"][maker["args"].index("--hosts") + 1].split(",")
-    assert {"coordinator", "planner"} <= set(hosts)  # the names the agents and coordinator dial
+    # The names the agents and the coordinator dial, Redis's and the collector's too.
+    assert {"coordinator", "planner", "redis", "otel-collector"} <= set(hosts)
     assert by_kind(objects, "PersistentVolumeClaim")["pki"]["spec"]["accessModes"] == ["ReadWriteMany"]
     # Each agent issues its own node certificate from the CA; its agent sees no CA key.
     agent = by_kind(objects, "DaemonSet")["agent"]["spec"]["template"]["spec"]
@@ -202,9 +240,10 @@ def test_the_certificates_are_made_by_an_init_step(objects: list[Object]) -> Non
     assert {e["name"]: e.get("value") for e in issuer["env"]}["UNICRON_CA_FROM"].startswith("/var/lib/unicron/pki")
     (main,) = agent["containers"]
     assert "pki" not in {m["name"] for m in main["volumeMounts"]}
-    # The services wait for theirs.
-    for name in ("coordinator", "planner"):
-        pod = by_kind(objects, "Deployment")[name]["spec"]["template"]["spec"]
+    # The services wait for theirs, and so do Redis and the collector.
+    pods = {**by_kind(objects, "Deployment"), **by_kind(objects, "StatefulSet")}
+    for name in ("coordinator", "planner", "redis", "otel-collector"):
+        pod = pods[name]["spec"]["template"]["spec"]
         assert [c["name"] for c in pod["initContainers"]] == ["wait-for-certs"], name
 
 

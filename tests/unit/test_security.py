@@ -157,6 +157,7 @@ def test_bearer_token(metadata: tuple[tuple[str, str | bytes], ...], expected: s
         ("service:planner", Principal(Kind.SERVICE, "planner")),
         ("user:alice", None),  # users authenticate with tokens only
         ("client:alice", None),
+        ("backend:redis", None),  # Redis's key, in Redis's image, opens nothing here
         ("node", None),
         ("", None),
     ],

@@ -89,6 +89,15 @@ def test_a_trainer_user_is_named_a_copy_of_the_ca_it_can_read(
         ),
         ({"MY_KEY": "-----BEGIN PRIVATE KEY-----\nMIIE...\n-----END PRIVATE KEY-----\n"}, set()),
         ({"MY_EC_KEY": "-----BEGIN EC PRIVATE KEY-----\n..."}, set()),
+        (  # the agent's OTLP exporter shows the node's certificate; its trainers export nothing
+            {
+                "OTEL_EXPORTER_OTLP_ENDPOINT": "https://otel-collector:4317",
+                "OTEL_EXPORTER_OTLP_CERTIFICATE": "/certs/ca.pem",
+                "OTEL_EXPORTER_OTLP_CLIENT_KEY": "/certs/node-key.pem",
+                "OTEL_EXPORTER_OTLP_TRACES_CLIENT_CERTIFICATE": "/certs/node.pem",
+            },
+            {"OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_CERTIFICATE"},
+        ),
     ],
 )
 def test_what_a_trainer_never_inherits(env: dict[str, str], kept: set[str]) -> None:
