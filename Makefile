@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 GEN_STAMP := unicron/v1/.generated
 PROTOS := $(wildcard proto/unicron/v1/*.proto)
 
-.PHONY: all venv gen redis compose-v1 demo certs test test-e2e test-unit test-cluster lint fmt clean bench-planner bench-detect bench-transition bench-sizes bench-sim bench-load bench-load-steps bench-peers peers-venv compose-test deploy-lock
+.PHONY: all venv gen redis compose-v1 demo certs test test-e2e test-unit test-cluster lint fmt clean bench-planner bench-detect bench-transition bench-sizes bench-sim bench-load bench-load-steps bench-peers peers-venv compose-test gpu-image-test deploy-lock
 
 all: test
 
@@ -114,6 +114,12 @@ bench-peers: gen redis
 # torn down after (scripts/compose_test.py). Needs root; not part of `make test`.
 compose-test: gen
 	$(PY) scripts/compose_test.py
+
+# The image's GPU variant (TORCH=cuda) built on this machine's own Docker engine and checked
+# inside (scripts/gpu_image_test.py): several GB from the package index. Needs root; not
+# part of `make test`.
+gpu-image-test: gen
+	$(PY) scripts/gpu_image_test.py
 
 # Pins every package of the image (deploy/requirements.lock) from deploy/requirements.txt.
 deploy-lock:

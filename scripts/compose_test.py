@@ -79,8 +79,12 @@ KILL_AT_ITERATION = 15
 _started = time.monotonic()
 
 
+# What say() prefixes its lines with (scripts/gpu_image_test.py, which reuses the engine, sets its own).
+LABEL = "compose-test"
+
+
 def say(message: str) -> None:
-    print(f"[compose-test {time.monotonic() - _started:6.1f}s] {message}", flush=True)
+    print(f"[{LABEL} {time.monotonic() - _started:6.1f}s] {message}", flush=True)
 
 
 def run(argv: Sequence[str], *, check: bool = True, timeout: float = 600, quiet: bool = False) -> str:

@@ -586,7 +586,8 @@ def test_the_build_context_holds_everything_the_dockerfile_copies() -> None:
 
 
 def test_the_gpu_build_swaps_torch_and_adds_nvml(tmp_path: Path) -> None:
-    """The Dockerfile's own lines that pick torch's build, run here for TORCH=cpu and cu128."""
+    """The Dockerfile's own lines that pick torch's build, run here for TORCH=cpu, cu128 and
+    cuda (PyPI's own torch, its CUDA build: the pin loses its local version)."""
     dockerfile = (DEPLOY / "Dockerfile").read_text()
     run = dockerfile.split("RUN ", 2)[1].split("python3 -m venv /opt/unicron")[0]
     steps = [line.strip().rstrip("\\").strip().removeprefix("&&").strip() for line in run.splitlines()]
@@ -594,10 +595,10 @@ def test_the_gpu_build_swaps_torch_and_adds_nvml(tmp_path: Path) -> None:
     script = script.replace("/src/deploy/", f"{DEPLOY}/").replace("/tmp/requirements.txt", str(tmp_path / "r.txt"))
     gpu = _pins(DEPLOY / "requirements-gpu.txt")
     assert gpu and all(_pins(ROOT / "requirements.txt").get(name) == v for name, v in gpu.items()), gpu
-    for torch, extra in (("cpu", {}), ("cu128", gpu)):
+    for torch, pinned, extra in (("cpu", "2.13.0+cpu", {}), ("cu128", "2.13.0+cu128", gpu), ("cuda", "2.13.0", gpu)):
         done = subprocess.run(["sh", "-c", script], env={"TORCH": torch, "PATH": "/usr/bin:/bin"}, timeout=30)
         assert done.returncode == 0, torch
         pins = _pins(tmp_path / "r.txt")
-        assert pins["torch"] == f"2.13.0+{torch}"
+        assert pins["torch"] == pinned
         assert {k: v for k, v in pins.items() if k in gpu} == extra
     assert "ARG TORCH=cpu" in dockerfile and "https://download.pytorch.org/whl/${TORCH}" in dockerfile

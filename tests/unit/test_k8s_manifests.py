@@ -250,7 +250,7 @@ def test_the_certificates_are_made_by_an_init_step(objects: list[Object]) -> Non
 def test_the_agent_runs_the_gpu_image_and_holds_the_gpus(objects: list[Object]) -> None:
     kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
     gpu = next(i for i in kustomization["images"] if i["name"] == "unicron-gpu")
-    assert re.fullmatch(r"\d+\.\d+\.\d+-cu\d+", gpu["newTag"]), gpu
+    assert re.fullmatch(r"\d+\.\d+\.\d+-(cuda|cu\d+)", gpu["newTag"]), gpu
     pod = by_kind(objects, "DaemonSet")["agent"]["spec"]["template"]["spec"]
     (agent,) = pod["containers"]
     assert agent["image"] == f"{gpu.get('newName', 'unicron')}:{gpu['newTag']}"
