@@ -144,6 +144,16 @@ def check_ports_free() -> None:
                 raise RuntimeError(f"port {port} on 127.0.0.1 is in use; the stack needs {PORTS}")
 
 
+def teardown_on_sigterm() -> None:
+    """A stop (SIGTERM) raises KeyboardInterrupt, as Ctrl-C does, so the engine and what it
+    started are torn down by the caller's `finally`, not left running."""
+
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
 # ---- the engine ------------------------------------------------------------------------
 
 
@@ -508,6 +518,7 @@ def main() -> int:
     if os.geteuid() != 0:
         print("compose-test runs its own Docker engine and needs root", file=sys.stderr)
         return 2
+    teardown_on_sigterm()
     ensure_tools()
     check_ports_free()
     before = host_state()

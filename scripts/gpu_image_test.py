@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -103,8 +102,7 @@ def main() -> int:
         print("gpu-image-test runs its own Docker engine and needs root", file=sys.stderr)
         return 2
     ct.LABEL = "gpu-image-test"
-    # A stop (SIGTERM, Ctrl-C) still tears the engine down.
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    ct.teardown_on_sigterm()
     ct.ensure_tools()
     before = ct.host_state()
     engine = ct.Engine()
