@@ -48,6 +48,7 @@ from typing import Any
 
 from bench.common import log, percentile, write_results
 from bench.transition import draw_steps
+from unicron.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results" / "peers.json"
@@ -585,12 +586,6 @@ def torchft_unavailable(venv: Path = PEERS_VENV) -> str | None:
     return None
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _wait_listening(port: int, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -629,7 +624,7 @@ class TorchftSide:
         steps = steps or self.settings.torchft_iterations
         directory = self.work / name
         directory.mkdir(parents=True)
-        port = _free_port()
+        port = free_port()
         lighthouse = _spawn(
             [str(self.venv / "bin" / "torchft_lighthouse"), *LIGHTHOUSE_ARGS, "--bind", f"127.0.0.1:{port}"],
             directory / "lighthouse.log",

@@ -6,7 +6,6 @@ shows a certificate of its own (``RedisTLS``), as every other hop of the control
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Sequence
@@ -17,6 +16,7 @@ from typing import Any
 import redis
 
 from unicron.errors import FailedPrecondition, Unavailable
+from unicron.ports import free_port  # re-exported: servers here and in tests take theirs from it
 
 
 @dataclass(frozen=True)
@@ -52,12 +52,6 @@ def reachable(url: str, tls: RedisTLS | None = None) -> bool:
         return bool(connect(url, tls).ping())
     except redis.RedisError:
         return False
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 class LocalRedis:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.trainer.harness import FakeAgent, run_ranks, tiny_spec
+from unicron.ports import free_port
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -74,13 +75,9 @@ def _blocked_allreduce(rank: int, port: int, result: Any) -> None:
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (NCCL takes one GPU per rank)")
 def test_aborting_the_communicators_frees_a_blocked_collective_at_once() -> None:
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     context = mp.get_context("spawn")
     result = context.Queue()
     procs = [context.Process(target=_blocked_allreduce, args=(rank, port, result), daemon=True) for rank in (0, 1)]

@@ -4,13 +4,13 @@ bit for bit, refusing a corrupted one and a source that holds none."""
 
 from __future__ import annotations
 
-import socket
 from typing import Any
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from unicron.ports import free_port
 from unicron.trainer import transfer
 
 
@@ -85,9 +85,7 @@ def _rank(rank: int, port: int, case: str, result: Any) -> None:
 
 
 def _run(case: str) -> dict[str, Any]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     context = mp.get_context("spawn")
     result = context.Queue()
     procs = [context.Process(target=_rank, args=(rank, port, case, result)) for rank in (0, 1)]

@@ -27,7 +27,6 @@ import logging
 import os
 import queue
 import signal
-import socket
 import sys
 import threading
 import time
@@ -44,6 +43,7 @@ from unicron.config import load_config
 from unicron.failures import GROUP_SYMPTOMS, classify_exception, kind_name
 from unicron.faults import parse_fault
 from unicron.logs import exit_flushed, setup_logging
+from unicron.ports import free_port
 from unicron.trainer.agent_link import AgentLink, LinkCallbacks
 from unicron.trainer.durability import Durability
 from unicron.trainer.faults import FaultInjector, InjectedFailure
@@ -242,7 +242,7 @@ def attach_local(spec: common_pb2.JobSpec, checkpoint_dir: str = "") -> Run:
         return _active
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    port = int(os.environ.get("MASTER_PORT", "0")) or _free_port()
+    port = int(os.environ.get("MASTER_PORT", "0")) or free_port()
     config = TrainerConfig(
         job_id=spec.name or "local",
         rank=rank,
@@ -260,12 +260,6 @@ def attach_local(spec: common_pb2.JobSpec, checkpoint_dir: str = "") -> Run:
     run.supervised = False
     _active = run
     return run
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def finish(run: Run) -> None:
