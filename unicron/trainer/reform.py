@@ -384,7 +384,9 @@ def reform(
     )
     new: T | None = None
     try:
+        joining = time.perf_counter()
         join(new_rank, new_world, master_addr, master_port, timeout, backend, superseded, namespace)
+        log.info("joined the new process group", extra={"seconds": round(time.perf_counter() - joining, 3)})
         new = rebuild(trainer, timeout)
         restored = exchange_state(new, held, checkpoint_dir, corrupt_transfer, snapshot_dir)
     except Exception as exc:  # noqa: BLE001 - whatever broke the new group, the state is intact
