@@ -46,6 +46,7 @@ from bench.transition_model import (  # re-exported: the tests and bench.peers r
     FAULTS,
     JOB_DATA,
     LOST_FLOOR_S,
+    LOST_SPAN,
     START_ATTEMPTS,
     STEP_RANGE,
     TARGET_SPEEDUP,
@@ -206,8 +207,9 @@ class UnicronSide:
             sample.restored_iteration = resumed.restored
             sample.recomputed = resumed.recomputed
             sample.lost_iterations = lost_iterations(step, resumed)
-            # Back where it was: at the iteration it had reached before the failure.
-            self._await_iteration(job.job_id, max(step, resumed.restored + resumed.recomputed))
+            # Back where it was (the iteration it had reached before the failure), and LOST_SPAN
+            # past it, where its time lost is read.
+            self._await_iteration(job.job_id, max(step, resumed.restored + resumed.recomputed) + LOST_SPAN)
             if action == "grow":
                 self._grow(sample, current)
                 detected = None  # the shrink's event log says nothing of the grow

@@ -21,6 +21,7 @@ from bench.transition_model import (
     BASELINE_WORLD_AFTER,
     BASELINE_WORLD_BEFORE,
     DATA_PARALLEL,
+    LOST_SPAN,
     BaselineSample,
     Settings,
     bench_spec,
@@ -194,13 +195,16 @@ class BaselineSide:
             sample.lost_iterations = max(0, target - started.restored_iteration)
 
             def past(arrivals: list[Arrival]) -> Arrival | None:
-                return next((a for a in arrivals if a.generation == 2 and a.rank == 0 and a.iteration > target), None)
+                return next(
+                    (a for a in arrivals if a.generation == 2 and a.rank == 0 and a.iteration >= target + LOST_SPAN),
+                    None,
+                )
 
-            # One iteration past the kill: what the failure cost against a failure-free run.
+            # LOST_SPAN iterations past the kill: what the failure cost against a failure-free run.
             beyond = agent.wait(past, self.settings.start_timeout_s)
             if beyond is not None:
                 done = {a.iteration: a.time for a in agent.reports_of(1)}
-                lost = time_lost(done, target, beyond.time)
+                lost = time_lost(done, target, beyond.time, done_iteration=beyond.iteration, span=LOST_SPAN)
                 sample.lost_s = None if lost is None else round(lost, 4)
         except Exception as exc:  # noqa: BLE001 -- one failed sample must not end the bench
             sample.error = f"{type(exc).__name__}: {exc}"

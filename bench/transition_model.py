@@ -4,7 +4,6 @@ the table). No cluster, no trainer: tests/unit/test_bench_transition.py runs the
 
 from __future__ import annotations
 
-import itertools
 import math
 import random
 import re
@@ -148,15 +147,33 @@ class Event:
     incident_id: str = ""
 
 
-def time_lost(before: Mapping[int, float], failed_at: int, next_done: float, window: int = 10) -> float | None:
-    """Seconds a failure cost against a failure-free run of the same job: the first iteration
-    after `failed_at` completed at `next_done`; without the failure it would have completed one
-    iteration time after `failed_at` did. `before`: iteration -> when it completed (reports may
-    arrive in batches: several iterations at one time). The iteration time is the median over
-    the last `window` iterations of each batch's seconds per iteration, so neither batching nor
-    one slow iteration (a checkpoint saved, the first one's warm-up) moves it. Recomputed
-    iterations, restarts and reforms all count; the iteration's own compute, which the
-    failure-free run pays too, does not. None without two batches to time."""
+# Time lost is read over this many iterations past the failure, and the failure-free
+# iteration time over spans of as many: the trainers snapshot every 2 iterations by default
+# (TrainerConfig.snapshot_interval), and the write slows the iteration after it (at 100M,
+# about 5 s against 2 s). One iteration past the failure, against the median of all, counted
+# that cycle as lost whenever the failure came before a slow iteration.
+LOST_SPAN = 2
+
+
+def time_lost(
+    before: Mapping[int, float],
+    failed_at: int,
+    next_done: float,
+    window: int = 10,
+    *,
+    done_iteration: int | None = None,
+    span: int = 1,
+) -> float | None:
+    """Seconds a failure cost against a failure-free run of the same job: iteration
+    `done_iteration` (by default the first after `failed_at`) completed at `next_done`; without
+    the failure it would have completed that many iteration times after `failed_at` did.
+    `before`: iteration -> when it completed (reports may arrive in batches: several
+    iterations at one time). The iteration time is the median, over the last `window`
+    iterations, of the seconds per iteration between each batch and the first one at least
+    `span` iterations after it, so neither batching, nor one slow iteration (a checkpoint saved,
+    the first one's warm-up), nor a cycle of `span` iterations (a snapshot every other one)
+    moves it. Recomputed iterations, restarts and reforms all count; the iterations' own
+    compute, which the failure-free run pays too, does not. None without two batches to time."""
     if failed_at not in before:
         return None
     done = sorted(i for i in before if i <= failed_at)[-(window + 1) :]
@@ -165,10 +182,15 @@ def time_lost(before: Mapping[int, float], failed_at: int, next_done: float, win
     for iteration in done:
         batches[before[iteration]] = max(iteration, batches.get(before[iteration], iteration))
     points = sorted((iteration, at) for at, iteration in batches.items())
-    rates = [(t1 - t0) / (i1 - i0) for (i0, t0), (i1, t1) in itertools.pairwise(points) if t1 > t0]
+    rates = []
+    for index, (i0, t0) in enumerate(points):
+        later = next(((i1, t1) for i1, t1 in points[index + 1 :] if i1 - i0 >= span), None)
+        if later is not None and later[1] > t0:
+            rates.append((later[1] - t0) / (later[0] - i0))
     if not rates:
         return None
-    return max(0.0, next_done - before[failed_at] - statistics.median(rates))
+    iterations = (done_iteration if done_iteration is not None else failed_at + 1) - failed_at
+    return max(0.0, next_done - before[failed_at] - iterations * statistics.median(rates))
 
 
 def recovery_from_events(events: list[Event], detected: float, at_least: int = 0) -> dict[str, Any] | None:
@@ -187,9 +209,12 @@ def recovery_from_events(events: list[Event], detected: float, at_least: int = 0
     regain = next((e.time for e in events[index:] if e.kind == "progress" and e.iteration >= goal), None)
     first = next((e for e in events[index:] if e.kind == "progress"), None)
     progress = {e.iteration: e.time for e in events[:index] if e.kind == "progress"}
-    next_done = next((e.time for e in events[index:] if e.kind == "progress" and e.iteration > pre), None)
+    done = next((e for e in events[index:] if e.kind == "progress" and e.iteration >= pre + LOST_SPAN), None)
+    lost = None
+    if done is not None:
+        lost = time_lost(progress, pre, done.time, done_iteration=done.iteration, span=LOST_SPAN)
     return {
-        "lost_s": time_lost(progress, pre, next_done) if next_done is not None else None,
+        "lost_s": lost,
         "pre_failure_iteration": pre,
         "resumed": parse_resumed(events[index].message),
         "resumed_at": events[index].time,

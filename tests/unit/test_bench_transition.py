@@ -70,6 +70,8 @@ def test_lost_iterations_trust_the_fault_step_when_the_coordinator_lags() -> Non
 
 def _events() -> list[Event]:
     return [
+        Event("progress", 9.8, 55),
+        Event("progress", 9.9, 56),
         Event("progress", 10.0, 57),
         Event("progress", 10.1, 58),
         Event("failure", 10.2, incident_id="inc-1"),
@@ -85,6 +87,7 @@ def _events() -> list[Event]:
         Event("progress", 14.5, 57),
         Event("progress", 14.6, 58),
         Event("progress", 14.7, 59),
+        Event("progress", 14.8, 60),
     ]
 
 
@@ -96,7 +99,9 @@ def test_recovery_is_read_from_the_events_around_the_first_resume() -> None:
     assert recovery["resumed_at"] == 14.0 and recovery["incident_id"] == "inc-1"
     assert recovery["first_iteration"] == 51
     assert recovery["regained_at"] == 14.6
-    # Iteration 59 done at 14.7; without the failure it would have been at 10.1 + 0.1.
+    # Read LOST_SPAN (2) iterations past the failure: iteration 60 done at 14.8; without the
+    # failure it would have been at 10.1 + 2 * 0.1.
+    assert transition.LOST_SPAN == 2
     assert recovery["lost_s"] == pytest.approx(4.5)
     # The job got further than its progress events show: regain when it is back there.
     assert transition.recovery_from_events(_events(), 10.2, at_least=59)["regained_at"] == 14.7  # type: ignore[index]
@@ -115,6 +120,21 @@ def test_time_lost_is_against_a_failure_free_run() -> None:
     slow = {i: 100.0 + 0.5 * i + (20.0 if i >= 50 else 0.0) for i in range(40, 61)}
     assert transition.time_lost(slow, 60, next_done=slow[60] + 2.5) == pytest.approx(2.0)
     assert transition.time_lost(done, 61, next_done=200.0) is None  # the failed-at iteration unseen
+
+
+def test_time_lost_sees_through_a_cycle_of_slow_and_fast_iterations() -> None:
+    """A snapshot every other iteration makes the next one slow (100M: 5 s, against 2 s). A
+    failure after an even iteration, followed by iterations exactly as a failure-free run
+    would have had them, lost nothing; one iteration past it against the median of all
+    counted the slow iteration's extra as lost."""
+    done, at = {}, 100.0
+    for iteration in range(40, 61):
+        at += 5.0 if iteration % 2 else 2.0
+        done[iteration] = at
+    failure_free = {61: done[60] + 5.0, 62: done[60] + 7.0}
+    assert transition.time_lost(done, 60, failure_free[62], done_iteration=62, span=2) == pytest.approx(0.0)
+    assert transition.time_lost(done, 60, failure_free[62] + 1.0, done_iteration=62, span=2) == pytest.approx(1.0)
+    assert transition.time_lost(done, 60, failure_free[61]) == pytest.approx(1.5)  # the old reading
 
 
 def test_lost_time_ratio_floors_unicrons_side_at_the_report_batching() -> None:
