@@ -348,7 +348,13 @@ def build_parser(simulate: bool = False) -> argparse.ArgumentParser:
         "when a job on the node would have nowhere to run. `unicron uncordon NODE` returns it.",
     )
     drain.add_argument("node", help="node id")
-    uncordon = sub.add_parser("uncordon", help="admins: return a drained node to service")
+    uncordon = sub.add_parser(
+        "uncordon",
+        help="admins: return a drained node, or an isolated one once repaired, to service",
+        description="A node isolated after a SEV1 fault (or cut off from a job's peers) stays out of "
+        "every plan until its agent registers again; uncordon is the operator's word that it is "
+        "repaired, without restarting the agent.",
+    )
     uncordon.add_argument("node", help="node id")
     sub.add_parser("cluster", help="show the cluster's efficiency: slots, WAF per job, what failures cost")
     incidents = sub.add_parser("incidents", help="list failure incidents")

@@ -79,6 +79,11 @@ class AgentConfig(TLSConfig):
     fault_injection: bool = setting(False, "let faults be injected into this node's trainers (testing only)")
     monitor: bool = setting(True, "statistical monitoring of hangs and stragglers (off only to measure its cost)")
     health_period_s: float = setting(5.0, "how often the node's health checks run")
+    health_return_s: float = setting(
+        60.0,
+        "after a health finding (a full disk, low memory) isolated the node: how long every check must "
+        "pass again before the agent registers again and the node takes ranks again",
+    )
     hang_k: float = setting(
         _MONITOR_DEFAULTS.k,
         "a rank is hung when no iteration ended for this many times its job's robust mean iteration time",
@@ -135,6 +140,7 @@ class AgentConfig(TLSConfig):
         require(0 <= self.warm_spares <= 64, "warm_spares", "must be between 0 and 64")
         require(0 <= self.spare_warmup_s <= 3600, "spare_warmup_s", "must be between 0 and 3600")
         require(self.health_period_s > 0, "health_period_s", "must be positive")
+        require(self.health_return_s >= 0, "health_return_s", "must not be negative")
         require(self.hang_k > 1, "hang_k", "must exceed 1")
         require(self.hang_floor_s > 0, "hang_floor_s", "must be positive")
         require(self.hang_warmup_iterations >= 1, "hang_warmup_iterations", "must be at least 1")
@@ -244,6 +250,7 @@ def setup(
             fault_injection=config.fault_injection,
             monitoring=config.monitor,
             health_period_s=config.health_period_s,
+            health_return_s=config.health_return_s,
             warm_spares=config.warm_spares,
             spare_warmup_s=config.spare_warmup_s,
             trainer_env=trainer_env(config, work_dir),

@@ -7,7 +7,8 @@
 - `trainer_link.TrainerLink`: the trainers' streams (exception propagation);
 - `watch.JobWatch` and `verdicts.HangJudge`: statistical monitoring of iteration times,
   and the hang verdicts, fed by `procstat`;
-- `health.py`: node health checks."""
+- `health.py`: node health checks; `health_watch.HealthWatch`: which findings to report,
+  and when the node has recovered from them."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from services.agent import peers, procstat
 from services.agent.coordinator_client import CoordinatorClient
 from services.agent.executor import CommandExecutor, Parts
 from services.agent.health import HealthCheck, HealthFinding, run_checks
+from services.agent.health_watch import HealthWatch
 from services.agent.log_service import LogService
 from services.agent.spares import SparePool
 from services.agent.supervisor import Supervisor, WorkerExit, WorkerKey, without_node_secrets
@@ -68,6 +70,9 @@ class AgentSettings:
     fault_injection: bool = False
     monitoring: bool = True
     health_period_s: float = 5.0
+    # How long every health check must have passed, after a shortage (disk, memory) was
+    # found, before the agent registers again and so returns its node from isolation.
+    health_return_s: float = 60.0
     monitor: MonitorSettings = field(default_factory=MonitorSettings)
     trainer_command: tuple[str, ...] = (sys.executable, "-m", "services.trainer")
     # Trainer processes kept ready (torch and Megatron imported) for ranks that start: a
@@ -128,7 +133,6 @@ class Agent:
         self._stop = threading.Event()
         self._errors: dict[WorkerKey, str] = {}  # a trainer's error, for its exit report
         self._health_checks = health_checks or []
-        self._health_seen: set[tuple[common_pb2.FailureKind, str]] = set()
         home = None
         if settings.trainer_user is not None:
             home = settings.work_dir / "trainer-home"
@@ -251,14 +255,17 @@ class Agent:
                 self._report_finding(hang)
 
     def _health_loop(self) -> None:
+        watch = HealthWatch(self.settings.health_return_s)
         while not self._stop.wait(self.settings.health_period_s):
-            findings = run_checks(self._health_checks)
-            current = {(f.kind, f.check) for f in findings}
-            for finding in findings:
-                if (finding.kind, finding.check) not in self._health_seen:
-                    self._report_health(finding)
-            # A condition that clears re-arms its report.
-            self._health_seen = current
+            verdict = watch.observe(run_checks(self._health_checks), time.monotonic())
+            for finding in verdict.report:
+                self._report_health(finding)
+            if verdict.register_again:
+                log.warning(
+                    "health checks pass again: registering, which returns the node",
+                    extra={"node_id": self.settings.node_id},
+                )
+                self.client.register_again()
 
     # ---- what trainers and detectors report -------------------------------------------
     # These run on the trainer link's reader threads: they hand reports to the client's

@@ -164,6 +164,14 @@ class CoordinatorClient:
         self.registered.set()
         log.info("registered with coordinator", extra={"node_id": self.node_id, "slots": request.slots})
 
+    def register_again(self) -> None:
+        """Registers at once, as a restarted agent would (the coordinator's word for a node
+        repaired); on failure the next heartbeat's answer decides, as ever."""
+        try:
+            self._register()
+        except (grpc.RpcError, Retryable) as exc:
+            log.warning("registering again failed", extra={"error": str(exc)[:200]})
+
     def _heartbeat_loop(self) -> None:
         delays = Backoff(0.1, 2.0).delays()
         while not self._stop.is_set():

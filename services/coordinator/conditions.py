@@ -35,6 +35,17 @@ def _said(report: node_service_pb2.IterationReport) -> dict[str, tuple[str, int]
     return out
 
 
+def _saved(report: node_service_pb2.IterationReport) -> set[str]:
+    """The conditions the report says this process has since saved through (a save succeeded
+    and none failed after it). A process that has not tried yet (restarted, moved) says neither."""
+    out = set()
+    if report.checkpoint_saved_iteration and not report.checkpoint_error:
+        out.add(CHECKPOINTS_FAILING)
+    if report.snapshot_saved_iteration and not report.snapshot_error:
+        out.add(SNAPSHOTS_FAILING)
+    return out
+
+
 def describe(condition: common_pb2.JobCondition) -> str:
     """A condition in words: "checkpoints failing since iteration 10: No space left on device"."""
     noun = NOUN.get(condition.type, condition.type)
@@ -45,16 +56,16 @@ def update(
     conditions: Sequence[common_pb2.JobCondition], report: node_service_pb2.IterationReport, now: float
 ) -> Update | None:
     """The conditions after `report`, or None when it changes none. A condition belongs to
-    the rank that reported it: only that rank's report clears it (rank 0 speaks for every
-    checkpoint; each rank for its own snapshots). A condition already held keeps its first
-    time and iteration; a new error text for it is not a change worth a write."""
-    said = _said(report)
+    the rank that reported it: only that rank's report of a save clears it (rank 0 speaks for
+    every checkpoint; each rank for its own snapshots). A condition already held keeps its
+    first time and iteration; a new error text for it is not a change worth a write."""
+    said, saved = _said(report), _saved(report)
     kept: list[common_pb2.JobCondition] = []
     changes: list[str] = []
     held = set()
     for condition in conditions:
         held.add(condition.type)
-        if condition.rank == report.rank and condition.type not in said:
+        if condition.rank == report.rank and condition.type in saved:
             changes.append(f"{NOUN.get(condition.type, condition.type)} saved again (rank {report.rank})")
             continue
         kept.append(condition)

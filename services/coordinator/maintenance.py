@@ -1,5 +1,6 @@
 """Node maintenance: an operator drains a node (its jobs move off by the cheapest transition
-the planner finds, it takes no new ranks) and uncordons it afterwards. A drain is not a
+the planner finds, it takes no new ranks) and uncordons it afterwards; uncordon also returns
+a node isolated after a fault, once repaired. A drain is not a
 failure: no incident is opened, no failure cost is counted; the jobs move by an ordinary
 re-plan. It is refused, with nothing changed, when a job on the node would have nowhere to
 go: the planner is asked first, as if the node were drained already (`stranded`)."""
@@ -74,9 +75,21 @@ class Maintenance:
         return cordoned, on_node
 
     def uncordon(self, node_id: str) -> common_pb2.Node:
-        node = self._ctx.store.set_node_cordoned(node_id, False)
+        """Returns the node to service: drained, it takes ranks again; isolated (a SEV1 fault,
+        or its links to a job's peers failed), this is the operator's word that it is
+        repaired, as its agent's registering again would be. Its agent need not restart: a
+        fault fixed outside it (a cable reseated, a volume cleaned) or a false alarm would
+        otherwise keep a healthy node out of every plan. A node still silent is declared
+        lost again by the next reconcile step."""
+        store = self._ctx.store
+        node = store.set_node_cordoned(node_id, False)
         if node is None:
             raise NotFound(f"node {node_id!r} not found")
+        if node.state == common_pb2.NODE_STATE_ISOLATED and store.set_node_state(
+            node_id, common_pb2.NODE_STATE_READY, expected=common_pb2.NODE_STATE_ISOLATED, now=self._ctx.clock()
+        ):
+            log.warning("isolated node returned to service by an operator", extra={"node_id": node_id})
+            node = store.get_node(node_id) or node
         log.warning("node uncordoned", extra={"node_id": node_id})
         # Jobs below their largest size may grow back onto it, as onto a node that joined.
         self._replanner.want(f"node {node_id} uncordoned")

@@ -36,6 +36,7 @@ def wait_for(
 ) -> common_pb2.Job:
     deadline = time.monotonic() + timeout_s
     while not done(job := client.get(name)):
-        assert time.monotonic() < deadline, f"{name}: {what} (state {job.state}, {job.reason})"
+        recent = "; ".join(c.reason for c in job.history[-4:])
+        assert time.monotonic() < deadline, f"{name}: {what} (state {job.state}, {job.reason}; lately: {recent})"
         time.sleep(0.2)
     return job

@@ -34,6 +34,22 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     )
 
 
+@pytest.fixture(autouse=True)
+def every_node_in_service(cluster: LocalCluster) -> None:
+    """The tests share one cluster: each starts with both nodes READY and none drained, so
+    that what one test left behind fails there, naming the nodes, not as a job of the next
+    waiting for slots."""
+    deadline = time.monotonic() + 30
+    with cluster.client() as client:
+        while True:
+            nodes = client.nodes()
+            if all(n.state == common_pb2.NODE_STATE_READY and not n.cordoned for n in nodes):
+                return
+            states = {n.node_id: (common_pb2.NodeState.Name(n.state), n.cordoned) for n in nodes}
+            assert time.monotonic() < deadline, f"nodes out of service before the test: {states}"
+            time.sleep(0.2)
+
+
 def unicron(cluster: LocalCluster, *args: str, user: str = "admin") -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "unicron.cli", "--coordinator", cluster.coordinator, *args],

@@ -184,6 +184,11 @@ def test_a_sev1_health_report_isolates_the_node_and_moves_its_jobs(control_plane
     assert incident.kind == common_pb2.FAILURE_KIND_DISK_FULL and incident.remedy == common_pb2.REMEDY_RECONFIGURE
     assert [w.node_id for w in moved.assignment.workers] == [other]
     assert moved.state == common_pb2.JOB_STATE_RECOVERING and moved.assignment.generation == 2
+    # The volume cleaned outside the agent: an admin's uncordon returns the node.
+    with control_plane.client() as client:
+        back = client.uncordon(worker.node_id)
+        assert back.state == common_pb2.NODE_STATE_READY
+        assert {n.node_id: n.state for n in client.nodes()}[worker.node_id] == common_pb2.NODE_STATE_READY
 
 
 def reset_report(job: common_pb2.Job, rank: int, node_id: str, at: float) -> node_service_pb2.ReportFailureRequest:

@@ -18,8 +18,12 @@ ENOSPC = "[Errno 28] No space left on device"
 
 
 def report(
-    rank: int = 0, checkpoint: tuple[str, int] = ("", 0), snapshot: tuple[str, int] = ("", 0)
+    rank: int = 0,
+    checkpoint: tuple[str, int] = ("", 0),
+    snapshot: tuple[str, int] = ("", 0),
+    saved: tuple[int, int] = (0, 0),
 ) -> node_service_pb2.IterationReport:
+    """`saved`: the iterations of the process's newest checkpoint and snapshot saves."""
     return node_service_pb2.IterationReport(
         job_id="j",
         rank=rank,
@@ -28,6 +32,8 @@ def report(
         checkpoint_failing_since=checkpoint[1],
         snapshot_error=snapshot[0],
         snapshot_failing_since=snapshot[1],
+        checkpoint_saved_iteration=saved[0],
+        snapshot_saved_iteration=saved[1],
     )
 
 
@@ -51,10 +57,14 @@ def held(kind: str, rank: int, since: int = 10, message: str = ENOSPC) -> common
         ([held(CHECKPOINTS_FAILING, 0)], report(checkpoint=(ENOSPC, 10)), None, None),
         ([held(CHECKPOINTS_FAILING, 0)], report(checkpoint=("another text", 10)), None, None),
         # Saved again: cleared.
-        ([held(CHECKPOINTS_FAILING, 0)], report(), [], ["checkpoints saved again (rank 0)"]),
+        ([held(CHECKPOINTS_FAILING, 0)], report(saved=(12, 0)), [], ["checkpoints saved again (rank 0)"]),
+        # A process that has not tried yet (restarted, moved to another node) has no news:
+        # the condition stays (it was once cleared by the silence, then raised again).
+        ([held(CHECKPOINTS_FAILING, 0)], report(), None, None),
+        ([held(SNAPSHOTS_FAILING, 0)], report(saved=(12, 0)), None, None),
         # Only the rank that reported a condition clears it.
-        ([held(SNAPSHOTS_FAILING, 3)], report(rank=0), None, None),
-        ([held(SNAPSHOTS_FAILING, 3)], report(rank=3), [], ["snapshots saved again (rank 3)"]),
+        ([held(SNAPSHOTS_FAILING, 3)], report(rank=0, saved=(12, 12)), None, None),
+        ([held(SNAPSHOTS_FAILING, 3)], report(rank=3, saved=(0, 11)), [], ["snapshots saved again (rank 3)"]),
         # Both at once.
         (
             [],
@@ -94,17 +104,21 @@ def test_durability_tells_a_run_of_failures_until_a_save_succeeds() -> None:
     durability = Durability()
     out = node_service_pb2.IterationReport()
     durability.fill(out)
-    assert (out.checkpoint_error, out.checkpoint_failing_since) == ("", 0)
+    assert (out.checkpoint_error, out.checkpoint_failing_since, out.checkpoint_saved_iteration) == ("", 0, 0)
     durability.checkpointed(10, ENOSPC)
     durability.checkpointed(20, ENOSPC)
     durability.snapshotted(15, "read-only file system")
     durability.fill(out)
     assert (out.checkpoint_error, out.checkpoint_failing_since) == (ENOSPC, 10)
     assert (out.snapshot_error, out.snapshot_failing_since) == ("read-only file system", 15)
+    assert (out.checkpoint_saved_iteration, out.snapshot_saved_iteration) == (0, 0)
     durability.checkpointed(30, "")
     durability.fill(out)
-    assert (out.checkpoint_error, out.checkpoint_failing_since) == ("", 0)
+    assert (out.checkpoint_error, out.checkpoint_failing_since, out.checkpoint_saved_iteration) == ("", 0, 30)
     assert out.snapshot_error
+    durability.checkpointed(40, ENOSPC)
+    durability.fill(out)
+    assert (out.checkpoint_error, out.checkpoint_failing_since, out.checkpoint_saved_iteration) == (ENOSPC, 40, 30)
 
 
 def test_a_full_checkpoint_volume_is_a_finding_of_its_own_kind() -> None:

@@ -547,7 +547,7 @@ def test_failing_checkpoints_show_as_a_condition_until_one_is_saved(
     coordinator, store, clock = cluster
     job = submit_and_place(coordinator)
 
-    def rank0(iteration: int, error: str = "", since: int = 0) -> None:
+    def rank0(iteration: int, error: str = "", since: int = 0, saved: int = 0) -> None:
         clock.now += 1
         node_id = next(w.node_id for w in job.assignment.workers if 0 in w.ranks)
         coordinator.report_progress(
@@ -561,6 +561,7 @@ def test_failing_checkpoints_show_as_a_condition_until_one_is_saved(
                     seconds=0.1,
                     checkpoint_error=error,
                     checkpoint_failing_since=since,
+                    checkpoint_saved_iteration=saved,
                 )
             ],
         )
@@ -572,7 +573,9 @@ def test_failing_checkpoints_show_as_a_condition_until_one_is_saved(
     version = failing.version
     rank0(12, "[Errno 28] No space left on device", 10)
     assert coordinator.get(job.job_id).version == version  # failing on writes nothing
-    rank0(21)
+    rank0(13)  # no error, but no save either (a restarted rank): no news
+    assert coordinator.get(job.job_id).version == version
+    rank0(21, saved=20)
     assert not coordinator.get(job.job_id).conditions
     said = [e.message for _, e in store.read_events(job.job_id, "0-0", 0) if e.type == pb.JOB_EVENT_TYPE_CONDITION]
     assert said == [

@@ -106,3 +106,36 @@ def test_draining_an_unknown_node_is_not_found() -> None:
         coordinator.drain("nope")
     with pytest.raises(NotFound):
         coordinator.uncordon("nope")
+
+
+def test_an_isolated_node_is_returned_by_uncordon_without_its_agent_registering() -> None:
+    """A SEV1 fault isolates the node; repaired outside the agent (a false alarm, a volume
+    cleaned), the operator's uncordon returns it and the job grows back onto it."""
+    coordinator, store, clock = make(nodes=2, slots=1)
+    job = running(coordinator, clock, data=2, min_data=1)
+    coordinator.report_failure(
+        "n1",
+        pb.FailureReport(
+            node_id="n1",
+            kind=pb.FAILURE_KIND_DISK_FULL,
+            source=pb.DETECTION_SOURCE_NODE_HEALTH,
+            message="disk:/var: under 1.00 GiB",
+        ),
+    )
+    coordinator.reconcile_once()
+    assert store.get_node("n1").state == pb.NODE_STATE_ISOLATED  # type: ignore[union-attr]
+    shrunk = coordinator.get(job.job_id)
+    assert {w.node_id for w in shrunk.assignment.workers} == {"n2"}
+    back = coordinator.uncordon("n1")
+    assert back.state == pb.NODE_STATE_READY and not back.cordoned
+    for step in range(2, 6):
+        clock.now += 1
+        for node_id in ("n1", "n2"):
+            coordinator.heartbeat(node_id)
+        current = coordinator.get(job.job_id)
+        iterate(coordinator, current, step, range(current.assignment.world_size))
+        coordinator.reconcile_once()
+    assert store.get_node("n1").state == pb.NODE_STATE_READY  # type: ignore[union-attr]
+    assert {w.node_id for w in coordinator.get(job.job_id).assignment.workers} == {"n1", "n2"}
+    # A READY node is left as it is: uncordon twice changes nothing more.
+    assert coordinator.uncordon("n1").state == pb.NODE_STATE_READY

@@ -13,14 +13,16 @@ from unicron.v1 import node_service_pb2
 
 @dataclass
 class Streak:
-    """A run of failed saves: the newest error, and the iteration of the first."""
+    """A run of failed saves: the newest error, and the iteration of the first; and the
+    iteration of the newest save that succeeded (0: none yet in this process)."""
 
     error: str = ""
     since: int = 0
+    saved: int = 0
 
     def record(self, iteration: int, error: str) -> None:
         if not error:
-            self.error, self.since = "", 0
+            self.error, self.since, self.saved = "", 0, iteration
             return
         self.since = self.since or iteration
         self.error = error
@@ -49,3 +51,5 @@ class Durability:
             report.checkpoint_failing_since = self._checkpoint.since
             report.snapshot_error = self._snapshot.error
             report.snapshot_failing_since = self._snapshot.since
+            report.checkpoint_saved_iteration = self._checkpoint.saved
+            report.snapshot_saved_iteration = self._snapshot.saved
