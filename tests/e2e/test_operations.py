@@ -34,20 +34,30 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     )
 
 
+ACTIVE = [common_pb2.JOB_STATE_PENDING, common_pb2.JOB_STATE_SCHEDULED, RUNNING, common_pb2.JOB_STATE_RECOVERING]
+
+
 @pytest.fixture(autouse=True)
-def every_node_in_service(cluster: LocalCluster) -> None:
-    """The tests share one cluster: each starts with both nodes READY and none drained, so
-    that what one test left behind fails there, naming the nodes, not as a job of the next
-    waiting for slots."""
+def every_node_in_service(cluster: LocalCluster) -> Iterator[None]:
+    """The tests share one cluster: each starts with both nodes READY and none drained, and
+    ends with its jobs cancelled and its nodes uncordoned whatever it asserted, so that a
+    failure stays in its test instead of taking the next one's slots."""
     deadline = time.monotonic() + 30
     with cluster.client() as client:
         while True:
             nodes = client.nodes()
             if all(n.state == common_pb2.NODE_STATE_READY and not n.cordoned for n in nodes):
-                return
+                break
             states = {n.node_id: (common_pb2.NodeState.Name(n.state), n.cordoned) for n in nodes}
             assert time.monotonic() < deadline, f"nodes out of service before the test: {states}"
             time.sleep(0.2)
+    yield
+    with cluster.client() as client:
+        for job in client.list_jobs(ACTIVE):
+            client.cancel(job.job_id, "the test is over")
+        for node in client.nodes():
+            if node.cordoned:
+                client.uncordon(node.node_id)
 
 
 def unicron(cluster: LocalCluster, *args: str, user: str = "admin") -> subprocess.CompletedProcess[str]:
@@ -61,11 +71,16 @@ def unicron(cluster: LocalCluster, *args: str, user: str = "admin") -> subproces
     )
 
 
-def spec(name: str, data: int, min_data: int, iterations: int, tensor: int = 1) -> common_pb2.JobSpec:
+def spec(
+    name: str, data: int, min_data: int, iterations: int, tensor: int = 1, throughput: dict[int, float] | None = None
+) -> common_pb2.JobSpec:
+    """`throughput`: a profile (size -> FLOP/s), which the planner takes over its own
+    measurements: the job keeps the size the profile favours."""
     return jobspec.normalized(
         jobspec.spec_from_dict(
             {
                 "name": name,
+                **({"throughput": throughput} if throughput else {}),
                 "program": gpt_program(),
                 "parallelism": {"data": data, "min_data": min_data, "tensor": tensor},
                 "training": {
@@ -93,7 +108,10 @@ def test_a_job_says_why_its_size_learns_its_throughput_and_shows_failing_checkpo
         shown = unicron(cluster, "get", job.job_id)
         assert "condition  checkpoints failing since iteration" in shown.stdout, shown.stdout + shown.stderr
         assert "throughput " in shown.stdout and "measured" in shown.stdout
-        assert job.state == common_pb2.JOB_STATE_RUNNING and not client.incidents(job.job_id)
+        # Measured, the job may be re-planned to another size (on 2 shared cores one rank can
+        # beat two): a move, not a failure.
+        wait_for(client, job.job_id, lambda j: j.state == RUNNING, "running", 60)
+        assert not client.incidents(job.job_id)
         client.cancel(job.job_id)
 
 
@@ -131,7 +149,10 @@ def test_a_tensor_parallel_job_shrinks_with_its_shards_in_memory_and_frees_them_
     favour one replica: tests/trainer/test_exactness.py grows a TP 2 job from its peers.)
     Cancelled, the job's snapshots leave the nodes' tmpfs."""
     with cluster.client() as client:
-        job = client.submit(spec("ops-tensor", data=2, min_data=1, iterations=1_000_000, tensor=2))
+        # A profile that favours both replicas: measured on 2 shared cores, one replica can
+        # beat two, and the planner would shrink the job before the drain does.
+        profile = {2: 1e9, 4: 2e9}
+        job = client.submit(spec("ops-tensor", data=2, min_data=1, iterations=1_000_000, tensor=2, throughput=profile))
         job = wait_for(client, job.job_id, lambda j: j.progress.iteration >= 3 and j.state == RUNNING, "trains", 180)
         assert job.assignment.world_size == 4
         node = job.assignment.workers[0].node_id
