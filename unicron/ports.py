@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import random
 import socket
+import threading
+import time
 from pathlib import Path
 
 EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
@@ -25,6 +27,13 @@ DEFAULT_EPHEMERAL = (32768, 60999)  # Linux's default
 LOWEST = 20000
 RESERVED = range(29500, 30000)
 _ATTEMPTS = 200
+# A port handed out is not bound until its server starts (seconds, for a Python service), and
+# a second call meanwhile finds it free: seen in CI, a test cluster's metrics port and its
+# coordinator's port were one. So a port this process handed out is not handed out again
+# for this long.
+REISSUE_AFTER_S = 600.0
+_issued: dict[int, float] = {}
+_issued_lock = threading.Lock()
 
 
 def ephemeral_range(path: Path = EPHEMERAL_RANGE_FILE) -> tuple[int, int]:
@@ -43,19 +52,26 @@ def candidates(ephemeral: tuple[int, int]) -> list[int]:
 
 def free_port(host: str = "127.0.0.1", rng: random.Random | None = None) -> int:
     """A TCP port free on `host` now, outside the ephemeral range (module docstring), drawn at
-    random so that concurrent callers rarely draw the same; the kernel's own choice when that
-    range leaves none (an unusual ip_local_port_range). OSError when `host` is not an address
-    of this machine."""
-    pool = candidates(ephemeral_range())
+    random so that concurrent processes rarely draw the same, and never one this process
+    handed out in the last REISSUE_AFTER_S; the kernel's own choice when that range leaves
+    none (an unusual ip_local_port_range). OSError when `host` is not an address of this
+    machine."""
     draw = rng or random.SystemRandom()
-    for port in draw.sample(pool, min(_ATTEMPTS, len(pool))):
-        with socket.socket() as sock:
-            try:
-                sock.bind((host, port))
-            except OSError as exc:
-                if exc.errno == 99:  # EADDRNOTAVAIL: not this machine's address at all
-                    raise
-                continue  # in use
+    now = time.monotonic()
+    with _issued_lock:
+        for port, at in list(_issued.items()):
+            if now - at >= REISSUE_AFTER_S:
+                del _issued[port]
+        pool = [port for port in candidates(ephemeral_range()) if port not in _issued]
+        for port in draw.sample(pool, min(_ATTEMPTS, len(pool))):
+            with socket.socket() as sock:
+                try:
+                    sock.bind((host, port))
+                except OSError as exc:
+                    if exc.errno == 99:  # EADDRNOTAVAIL: not this machine's address at all
+                        raise
+                    continue  # in use
+            _issued[port] = now
             return port
     with socket.socket() as sock:
         sock.bind((host, 0))

@@ -46,6 +46,7 @@ def test_a_port_in_use_is_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
         free = next(p for p in range(held + 1, 32768) if p not in ports.RESERVED)
         monkeypatch.setattr(ports, "candidates", lambda _range: [held, free])
         for seed in range(5):  # whichever the draw tries first
+            monkeypatch.setattr(ports, "_issued", {})  # forget the last call's
             assert ports.free_port(rng=random.Random(seed)) == free
 
 
@@ -60,3 +61,18 @@ def test_an_address_of_another_machine_is_an_error() -> None:
     """The coordinator tells a one-machine rendezvous from another host's this way."""
     with pytest.raises(OSError):
         ports.free_port("203.0.113.7")  # TEST-NET-3: no interface here has it
+
+
+def test_a_port_handed_out_is_not_handed_out_again_before_its_server_binds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seen in CI: a cluster's metrics port and its coordinator's port were one, both drawn
+    before either server bound. Two candidates, two calls, nothing bound: two ports."""
+    first = ports.free_port()
+    second = next(p for p in range(first + 1, 32768) if p not in ports.RESERVED)
+    monkeypatch.setattr(ports, "candidates", lambda _range: [first, second])
+    monkeypatch.setattr(ports, "_issued", {first: 0.0})
+    monkeypatch.setattr(ports.time, "monotonic", lambda: 1.0)
+    assert ports.free_port() == second
+    # Once both are out, the kernel chooses; long after, they are drawn again.
+    assert ports.free_port() not in {first, second}
+    monkeypatch.setattr(ports.time, "monotonic", lambda: 1.0 + ports.REISSUE_AFTER_S)
+    assert ports.free_port() in {first, second}
