@@ -193,6 +193,12 @@ class TrainerLink(trainer_service_pb2_grpc.TrainerAgentServiceServicer):
         kind = message.WhichOneof("message")
         if kind == "iteration":
             report = message.iteration
+            if report.job_id == key.job_id and report.generation < key.generation:
+                # The iteration in flight when a reform re-keyed this trainer ends under the
+                # generation it left: stale, as the coordinator would find it, and no fault
+                # of the trainer's.
+                log.debug("report of a generation left behind dropped", extra={"job_id": key.job_id})
+                return
             if (report.job_id, report.generation, report.rank) != (key.job_id, key.generation, key.rank):
                 raise Rejected("INVALID_ARGUMENT", "iteration: reports may only be about the sending trainer")
             # The coordinator refuses a whole batch of reports for one of these, so one bad

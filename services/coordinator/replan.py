@@ -284,7 +284,13 @@ class Replanner:
                 elif job_id in outcome.wrote:
                     log.info(
                         "plan carried out",
-                        extra={"job_id": job_id, "change": change.kind, "slots": change.slots, "why": why},
+                        extra={
+                            "job_id": job_id,
+                            "change": change.kind,
+                            "slots": change.slots,
+                            "why": why,
+                            "reason": change.reason,
+                        },
                     )
 
     def _failed(self, job_ids: list[str], exc: UnicronError) -> None:

@@ -103,3 +103,26 @@ def test_a_hello_of_no_worker_is_refused() -> None:
     with pytest.raises(Aborted) as refused:
         connect(link, WorkerKey("job-1", 5, 0))
     assert refused.value.args[0] == grpc.StatusCode.NOT_FOUND
+
+
+def test_the_iteration_in_flight_at_a_reform_is_dropped_quietly_and_a_foreign_one_refused() -> None:
+    """Re-keyed by a reform, a trainer still ends the iteration it was in under the generation
+    it left: stale, dropped without a refusal. A report about another rank, or a generation
+    the trainer is not in yet, is still refused."""
+    from services.agent.trainer_link import Rejected
+    from unicron.v1 import node_service_pb2
+
+    seen: list[node_service_pb2.IterationReport] = []
+    link = TrainerLink("n1", LinkHandlers(lambda key: True, lambda key, r: seen.append(r), print, print))
+
+    def iteration(generation: int, rank: int) -> pb.ConnectRequest:
+        report = node_service_pb2.IterationReport(job_id="job-1", generation=generation, rank=rank, iteration=7)
+        return pb.ConnectRequest(iteration=report)
+
+    link._handle(NEW, iteration(OLD.generation, OLD.rank))
+    assert seen == []
+    for generation, rank in ((NEW.generation, 0), (NEW.generation + 1, NEW.rank)):
+        with pytest.raises(Rejected, match="only be about the sending trainer"):
+            link._handle(NEW, iteration(generation, rank))
+    link._handle(NEW, iteration(NEW.generation, NEW.rank))
+    assert [r.generation for r in seen] == [NEW.generation]
