@@ -114,7 +114,7 @@ def plan_request(
         if not job.spec.throughput:
             plan_job.measured_throughput.update(job.progress.measured_flops_per_second)
         parameters, tokens_per_step = estimate_of(job)
-        if not job.spec.throughput and parameters > 0 and tokens_per_step > 0:
+        if not job.spec.throughput and parameters > 0 and tokens_per_step > 0 and estimable(job):
             plan_job.estimate.parameters = parameters
             plan_job.estimate.tokens_per_step = tokens_per_step
         # A joining rank fetches its own shard of the state from a live peer, all shards in
@@ -126,6 +126,17 @@ def plan_request(
             for node_id, count in slots_by_node(job).items():
                 plan_job.current[node_id] = count
     return request
+
+
+def estimable(job: common_pb2.Job) -> bool:
+    """Whether the planner may model the job's throughput across sizes: its spec declares its
+    size, or a throughput was measured to scale the model by. Between its first report (which
+    gives its size, estimate_of) and its first measurement (the report after: the first pays
+    for warm-up), the model would price its ranks as the reference GPU, and for a small model
+    that is all all-reduce: seen, a re-plan in that window shrank a 2-rank job on an idle
+    cluster to 1 rank, "10x faster", and the next re-plan, measured, grew it back."""
+    declared = job.spec.estimate
+    return (declared.parameters > 0 and declared.tokens_per_step > 0) or bool(job.progress.measured_flops_per_second)
 
 
 def estimate_of(job: common_pb2.Job) -> tuple[float, float]:

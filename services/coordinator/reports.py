@@ -258,12 +258,14 @@ class Reports:
         # The first iteration after a (re)start (it names where its state came from) pays
         # for warm-up, and a report of an older generation ran at another size.
         size = job.assignment.world_size
+        replan = ""
         if report.generation == job.assignment.generation and not report.state_source:
             measured = learned_throughput(measured, size, flops_per_second)
             if size in measured and size not in job.progress.measured_flops_per_second and not job.spec.throughput:
                 # The plan that sized the job had only an estimate here: plan again with the
-                # measurement (once per size, so a job is not re-planned every iteration).
-                self._replanner.want(f"throughput of {job.job_id} measured at {size} ranks")
+                # measurement (once per size, so a job is not re-planned every iteration),
+                # once it is written, so that the re-plan reads it.
+                replan = f"throughput of {job.job_id} measured at {size} ranks"
         progress = common_pb2.JobProgress(
             iteration=report.iteration,
             loss=report.loss,
@@ -280,6 +282,8 @@ class Reports:
             event(job, EventType.JOB_EVENT_TYPE_PROGRESS, now, message, progress=progress),
         )
         job.progress.CopyFrom(progress)
+        if replan:
+            self._replanner.want(replan)
 
     def _resume(
         self, job: common_pb2.Job, report: node_service_pb2.IterationReport, now: float

@@ -105,7 +105,12 @@ def job_reasons(data: Problem, result: Mapping[str, dict[str, int]]) -> dict[str
                 f"restarted in place on {_slots_text(new_size)} after failure" if job.hit_by_failure else "kept"
             )
         elif new_size < cur_size:
-            why = cause or "slots given to other jobs"
+            others_gain = any(
+                sum(result[other.job.job_id].values()) > other.job.current_size
+                for other in data.jobs
+                if other is not jd
+            )
+            why = cause or ("slots given to other jobs" if others_gain else "fewer ranks are worth more to it")
             reasons[job.job_id] = f"shrunk from {cur_size} to {_slots_text(new_size)}: {why}"
         elif new_size > cur_size:
             gained = [n for n, s in new.items() if s > cur.get(n, 0)]

@@ -532,3 +532,32 @@ def test_a_job_on_a_tenth_of_the_cluster_moves_onto_a_spare_rather_than_shrink()
     big = next(j for j in result.jobs if j.job_id == "big")
     assert (big.size, big.transition) == (80, "migrate"), big
     assert "n3" not in big.slots_by_node
+
+
+def test_a_shrink_says_whether_its_slots_went_to_another_job() -> None:
+    """Alone on the cluster, a job shrunk by its own profile is not told its slots went to
+    another job; beside one that grows, it is."""
+    d = domain
+    nodes = (d.Node("n1", 2, True, "r"), d.Node("n2", 2, True, "r"))
+
+    def job(job_id: str, throughput: dict[int, float], current: dict[str, int]) -> d.Job:
+        sizes = sorted(throughput)
+        return d.Job(
+            job_id=job_id,
+            weight=1.0,
+            tensor_parallel=1,
+            pipeline_parallel=1,
+            min_dp=sizes[0],
+            max_dp=sizes[-1],
+            throughput=throughput,
+            current=current,
+        )
+
+    alone = job("a", {1: 2e9, 2: 1e9}, {"n1": 2})
+    (shrunk,) = plan(d.PlanRequest(nodes=nodes, jobs=(alone,), failure_rate_per_node_per_s=1e-9)).jobs
+    assert shrunk.size == 1 and "fewer ranks are worth more to it" in shrunk.reason, shrunk.reason
+    crowded = job("a", {2: 1e9, 4: 1.1e9}, {"n1": 2, "n2": 2})
+    grower = job("b", {2: 5e9}, {})
+    request = d.PlanRequest(nodes=nodes, jobs=(crowded, grower), failure_rate_per_node_per_s=1e-9)
+    by_id = {p.job_id: p for p in plan(request).jobs}
+    assert by_id["a"].size == 2 and "slots given to other jobs" in by_id["a"].reason, by_id["a"].reason

@@ -541,6 +541,40 @@ def test_a_placement_says_why_and_the_plan_uses_the_measured_throughput(
     assert dict(request.jobs[0].measured_throughput) == pytest.approx({size: 4.4e9})
 
 
+def test_a_re_plan_before_the_first_measurement_keeps_the_size_it_cannot_judge() -> None:
+    """Seen in CI: the first report (warm-up, never measured) gives the job's size; a re-plan
+    before the next report judged its ranks as the reference GPU, for which a small model is
+    all all-reduce, and shrank a 2-rank job on an idle cluster to 1 rank ("10x faster")."""
+    store, clock = MemoryStore(), Clock()
+    coordinator = Coordinator(store, InProcessPlanner(), Settings(), clock=clock)
+    for i in (1, 2):
+        coordinator.register_node(f"n{i}", f"10.9.0.{i}:7000", 2, "rack-a")
+    spec = jobspec.spec_from_dict(
+        {
+            "name": "tiny",
+            "program": {"entry_point": "examples.gpt.train:main"},
+            "parallelism": {"data": 2, "min_data": 1},
+            "training": {"iterations": 50, "global_batch_size": 8},
+        }
+    )
+    job = coordinator.submit(spec)
+    coordinator.reconcile_once()
+    job = coordinator.get(job.job_id)
+    assert job.assignment.world_size == 2
+    first = node_service_pb2.IterationReport(
+        job_id=job.job_id, generation=1, rank=0, iteration=1, seconds=0.5, flops=5.8e7, tokens=256, state_source="fresh"
+    )
+    coordinator.report_progress(job.assignment.workers[0].node_id, [first])
+    assert decide.estimate_of(coordinator.get(job.job_id))[0] > 0  # its size is known now
+    coordinator.replanner.want("another job's event")
+    clock.now += 0.1
+    for i in (1, 2):
+        coordinator.heartbeat(f"n{i}")
+    coordinator.reconcile_once()
+    kept = coordinator.get(job.job_id)
+    assert kept.state == state.RUNNING and kept.assignment.world_size == 2, kept.history[-1].reason
+
+
 def test_failing_checkpoints_show_as_a_condition_until_one_is_saved(
     cluster: tuple[Coordinator, MemoryStore, Clock],
 ) -> None:
