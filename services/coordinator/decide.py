@@ -135,17 +135,19 @@ def estimable(job: common_pb2.Job) -> bool:
     for warm-up), the model would price its ranks as the reference GPU, and for a small model
     that is all all-reduce: seen, a re-plan in that window shrank a 2-rank job on an idle
     cluster to 1 rank, "10x faster", and the next re-plan, measured, grew it back."""
-    declared = job.spec.estimate
-    return (declared.parameters > 0 and declared.tokens_per_step > 0) or bool(job.progress.measured_flops_per_second)
+    return _declares_estimate(job) or bool(job.progress.measured_flops_per_second)
+
+
+def _declares_estimate(job: common_pb2.Job) -> bool:
+    return job.spec.estimate.parameters > 0 and job.spec.estimate.tokens_per_step > 0
 
 
 def estimate_of(job: common_pb2.Job) -> tuple[float, float]:
     """(parameters, tokens per step) of a job for the planner's estimate: as its spec declares
     them, else as its iterations reported them (FLOPs ~ 6 x parameters x tokens), else zeros
     (the planner then assumes a per-slot rate)."""
-    declared = job.spec.estimate
-    if declared.parameters > 0 and declared.tokens_per_step > 0:
-        return declared.parameters, declared.tokens_per_step
+    if _declares_estimate(job):
+        return job.spec.estimate.parameters, job.spec.estimate.tokens_per_step
     progress = job.progress
     if progress.iteration > 0 and progress.tokens > 0:
         tokens_per_step = progress.tokens / progress.iteration
