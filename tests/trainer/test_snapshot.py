@@ -1,12 +1,14 @@
-"""In-memory snapshots (services/trainer/snapshot.py), world 1 in this process: a restart from
+"""In-memory snapshots (unicron/trainer/snapshot.py), world 1 in this process: a restart from
 the node's snapshot is exact, beats an older checkpoint, and a corrupt or foreign snapshot falls
 back (to an older snapshot, then the checkpoint) without raising. The real trainer takes its
 state this way when no live peer is left (the end-to-end self-healing tests)."""
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -55,9 +57,9 @@ def test_a_restart_takes_the_newer_snapshot_and_ends_exactly_where_a_straight_ru
     losses = _run_until(4, snaps, ckpt, checkpoint_at=2)
     # Two kept per rank; each complete with its digest.
     assert sorted(p.name for p in (snaps / "rank0").iterdir()) == [
-        "iter_00000003.sha256",
+        "iter_00000003.index",
         "iter_00000003.snap",
-        "iter_00000004.sha256",
+        "iter_00000004.index",
         "iter_00000004.snap",
     ]
     resumed = gpt_trainer(MODEL, TRAIN)
@@ -123,7 +125,7 @@ def test_a_snapshot_due_while_one_is_being_written_is_skipped(world1: None, tmp_
         writer.wait()
     finally:
         trainer.close()
-    assert (tmp_path / "rank0" / "iter_00000002.sha256").is_file()
+    assert (tmp_path / "rank0" / "iter_00000002.index").is_file()
 
 
 def test_the_snapshot_is_the_state_when_taken_though_training_goes_on_at_once(world1: None, tmp_path: Path) -> None:
@@ -139,9 +141,46 @@ def test_the_snapshot_is_the_state_when_taken_though_training_goes_on_at_once(wo
             for param in trainer.model.parameters():
                 param.add_(1.0)
         writer.wait()
-        payload = torch.load(tmp_path / "rank0" / "iter_00000001.snap", weights_only=True)
+        payload = snapshot.read(tmp_path / "rank0", 1)
     finally:
         trainer.close()
     saved = {k: v for k, v in payload["model"].items() if isinstance(v, torch.Tensor)}
     assert saved.keys() == taken.keys()
     assert relative_difference(saved, taken) == 0.0
+
+
+def test_every_tensor_comes_back_bit_for_bit_and_any_damage_is_named(tmp_path: Path) -> None:
+    # The file format alone, without a trainer: every dtype a state may hold, an empty tensor,
+    # a tensor larger than one piece, Python values; then a flipped byte, a cut and a bad index.
+    state: dict[str, Any] = {
+        "iteration": 7,
+        "model": {"w": torch.randn(3, 5), "h": torch.randn(4).to(torch.bfloat16), "empty": torch.zeros(0, 2)},
+        "optimizer": {"step": torch.tensor(3, dtype=torch.int64), "mask": torch.tensor([True, False])},
+        "big": torch.arange(3 * snapshot.PIECE_BYTES // 8 + 5, dtype=torch.float64),
+        "groups": [{"lr": 0.1, "params": (0, 1)}],
+    }
+    directory = tmp_path / "rank0"
+    directory.mkdir()
+    snap, index = directory / "iter_00000007.snap", directory / "iter_00000007.index"
+    index.write_text(json.dumps(snapshot._write_data(snap, state)))
+    back = snapshot.read(directory, 7)
+    assert back["iteration"] == 7 and back["groups"] == [{"lr": 0.1, "params": (0, 1)}]
+    for path in (("model", "w"), ("model", "h"), ("model", "empty"), ("optimizer", "step"), ("optimizer", "mask")):
+        got, want = back[path[0]][path[1]], state[path[0]][path[1]]
+        assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
+    assert torch.equal(back["big"], state["big"])
+
+    data = bytearray(snap.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    snap.write_bytes(bytes(data))
+    with pytest.raises(checkpoint.CheckpointError, match="tensor 5 fails its CRC-32"):
+        snapshot.read(directory, 7)
+    snap.write_bytes(bytes(data[:-10]))
+    with pytest.raises(checkpoint.CheckpointError, match="corrupt"):
+        snapshot.read(directory, 7)
+    index.write_text("{not json")
+    with pytest.raises(checkpoint.CheckpointError, match="bad index"):
+        snapshot.read(directory, 7)
+    index.write_text(json.dumps({"format": 1}))
+    with pytest.raises(checkpoint.CheckpointError, match="format 1"):
+        snapshot.read(directory, 7)

@@ -11,7 +11,7 @@ import torch
 import torch.multiprocessing as mp
 
 from unicron.ports import free_port
-from unicron.trainer import transfer
+from unicron.trainer import tensor_bytes, transfer
 
 
 def test_small_tensors_share_chunks_and_large_ones_go_in_slices(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -31,15 +31,15 @@ def test_small_tensors_share_chunks_and_large_ones_go_in_slices(monkeypatch: pyt
 def test_the_skeleton_keeps_everything_but_the_tensors_bytes() -> None:
     state = {"iteration": 3, "model": {"w": torch.ones(2, 3)}, "groups": [{"lr": 0.1, "params": (0, 1)}]}
     tensors: list[torch.Tensor] = []
-    skeleton = transfer._skeleton(state, tensors)
+    skeleton = tensor_bytes.skeleton(state, tensors)
     assert skeleton["model"]["w"] == {"__unicron_tensor__": 0, "shape": [2, 3]}
     assert skeleton["groups"] == [{"lr": 0.1, "params": (0, 1)}] and len(tensors) == 1
     flat = [t.reshape(-1) for t in tensors]
-    assert torch.equal(transfer._filled(skeleton, flat)["model"]["w"], torch.ones(2, 3))
-    with pytest.raises(transfer.StateError, match="shape"):
-        transfer._filled(skeleton, [torch.ones(5)])
-    with pytest.raises(transfer.StateError, match="cannot send"):
-        transfer._skeleton({"s": torch.ones(2).to_sparse()}, [])
+    assert torch.equal(tensor_bytes.filled(skeleton, flat)["model"]["w"], torch.ones(2, 3))
+    with pytest.raises(tensor_bytes.StateError, match="shape"):
+        tensor_bytes.filled(skeleton, [torch.ones(5)])
+    with pytest.raises(tensor_bytes.StateError, match="cannot send"):
+        tensor_bytes.skeleton({"s": torch.ones(2).to_sparse()}, [])
 
 
 def _state() -> dict[str, Any]:
@@ -78,7 +78,7 @@ def _rank(rank: int, port: int, case: str, result: Any) -> None:
         step = got["optimizer"]["state"][0]
         same = same and torch.equal(step["step"], torch.tensor(7.0)) and step["flag"].tolist() == [True, False]
         result.put(("received", same and got["iteration"] == 7 and got["optimizer"]["lr"] == 0.01))
-    except transfer.StateError as exc:
+    except tensor_bytes.StateError as exc:
         result.put(("refused", str(exc)))
     finally:
         dist.destroy_process_group()

@@ -78,7 +78,7 @@ from unicron.trainer import checkpoint, transfer
 from unicron.trainer.engine import PartialStep
 from unicron.trainer.protocol import T, Trainer
 from unicron.trainer.snapshot import restore_nearest
-from unicron.trainer.transfer import StateError
+from unicron.trainer.tensor_bytes import StateError
 
 # isort: split
 from megatron.core import parallel_state

@@ -3,28 +3,32 @@ state source of a restarted rank, between a live peer and the persistent checkpo
 
 Every ``every`` iterations a rank copies its state's tensors to host memory (on a GPU an
 asynchronous copy into pinned buffers, so the training thread only queues it); a background
-thread waits for the copy, serializes it and writes it, with its sha256, under the directory
-the agent gives it (a tmpfs such as /dev/shm by default: memory that outlives the trainer
-process)::
+thread waits for the copy and writes it under the directory the agent gives it (a tmpfs such
+as /dev/shm by default: memory that outlives the trainer process), in ``tensor_bytes``' form:
+the serialized skeleton, then each tensor's own bytes, nothing pickled but the skeleton::
 
-    <dir>/rank3/iter_00000042.snap     torch.save of {iteration, layout, shard, model, optimizer}
-    <dir>/rank3/iter_00000042.sha256   written after the data; its presence makes it complete
+    <dir>/rank3/iter_00000042.snap     skeleton, then the tensors' bytes, in order
+    <dir>/rank3/iter_00000042.index    written after the data (its presence makes it complete):
+                                       the skeleton's length and CRC-32, (bytes, dtype, CRC-32)
+                                       per tensor
 
-Each rank keeps its two newest. Restoring is collective: every rank lists the complete
+At 100M parameters (1.2 GB of state) the write takes about 1 s of a core, where a
+``torch.save`` blob with its sha256 took 3 s, and slowed the training thread beside it as
+long. Each rank keeps its two newest. Restoring is collective: every rank lists the complete
 snapshots of its (tensor, pipeline) shard written on its node by any rank (data-parallel
 peers hold the same slice), the ranks agree on the newest iteration all of them have, and
-each verifies its copy (sha256, model shape); one ``all_reduce(MIN)`` makes the verdict
+each verifies its copy (CRC-32s, model shape); one ``all_reduce(MIN)`` makes the verdict
 common. A bad copy drops that iteration and the next older common one is tried; with none,
 the caller falls back to the checkpoint. Nothing here raises on a bad copy."""
 
 from __future__ import annotations
 
 import copy
-import hashlib
-import io
+import json
 import logging
 import re
 import threading
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from unicron.trainer import checkpoint
+from unicron.trainer import checkpoint, tensor_bytes
 
 if TYPE_CHECKING:
     from unicron.trainer.protocol import Trainer
@@ -41,12 +45,16 @@ log = logging.getLogger(__name__)
 
 SOURCE_SNAPSHOT = "snapshot"
 KEEP = 2
+FORMAT = 2  # 1: a torch.save blob with a .sha256 beside it
+# Written and checked in pieces of this size, so that each piece's CRC-32 reads what the
+# write (or the read) just brought into the cache.
+PIECE_BYTES = 8 << 20
 _NAME_RE = re.compile(r"^iter_(\d+)\.snap$")
 
 
 def _paths(directory: Path, iteration: int) -> tuple[Path, Path]:
     stem = directory / f"iter_{iteration:08d}"
-    return stem.with_suffix(".snap"), stem.with_suffix(".sha256")
+    return stem.with_suffix(".snap"), stem.with_suffix(".index")
 
 
 class SnapshotWriter:
@@ -89,13 +97,10 @@ class SnapshotWriter:
         try:
             if copied is not None:
                 copied.synchronize()
-            buffer = io.BytesIO()
-            torch.save(payload, buffer)
-            data = buffer.getvalue()
             self._dir.mkdir(parents=True, exist_ok=True)
-            snap, digest = _paths(self._dir, iteration)
-            snap.write_bytes(data)
-            digest.write_text(hashlib.sha256(data).hexdigest())
+            snap, index = _paths(self._dir, iteration)
+            index.unlink(missing_ok=True)  # a snapshot of this iteration written before is void now
+            index.write_text(json.dumps(_write_data(snap, payload)))
             for old in sorted(_iterations(self._dir), reverse=True)[KEEP:]:
                 for path in _paths(self._dir, old):
                     path.unlink(missing_ok=True)
@@ -168,21 +173,72 @@ def _holders(root: Path) -> dict[int, list[Path]]:
     return out
 
 
+def _write_data(path: Path, payload: dict[str, Any]) -> dict[str, Any]:
+    """Writes ``payload`` to ``path``; returns its index."""
+    raw, tensors = tensor_bytes.encode(payload)
+    table = []
+    with path.open("wb") as out:
+        out.write(raw)
+        for tensor in tensors:
+            data = tensor_bytes.bytes_of(tensor)
+            crc = 0
+            for start in range(0, data.numel(), PIECE_BYTES):
+                piece = data[start : start + PIECE_BYTES].numpy().data
+                crc = zlib.crc32(piece, crc)
+                out.write(piece)
+            table.append([data.numel(), tensor_bytes.DTYPES.index(tensor.dtype), crc])
+    return {"format": FORMAT, "skeleton": [len(raw), zlib.crc32(raw)], "tensors": table}
+
+
+def read(directory: Path, iteration: int) -> dict[str, Any]:
+    """The snapshot of ``iteration`` in one rank's ``directory``, every CRC-32 checked; raises
+    CheckpointError when it is unreadable, incomplete or corrupt."""
+    snap, index = _paths(directory, iteration)
+    try:
+        table = json.loads(index.read_text())
+        if table.get("format") != FORMAT:
+            raise checkpoint.CheckpointError(f"{snap} is of format {table.get('format')}, not {FORMAT}")
+        with snap.open("rb", buffering=0) as source:
+            length, want = table["skeleton"]
+            raw = source.read(length)
+            if len(raw) != length or zlib.crc32(raw) != want:
+                raise checkpoint.CheckpointError(f"{snap} is corrupt: its skeleton fails its CRC-32")
+            tensors = []
+            for number, (size, code, want) in enumerate(table["tensors"]):
+                flat = torch.empty(size, dtype=torch.uint8)
+                if _read_into(source, flat) != want:
+                    raise checkpoint.CheckpointError(f"{snap} is corrupt: tensor {number} fails its CRC-32")
+                tensors.append(flat.view(tensor_bytes.DTYPES[code]))
+            if source.read(1):
+                raise checkpoint.CheckpointError(f"{snap} is corrupt: longer than its index says")
+    except OSError as exc:
+        raise checkpoint.CheckpointError(f"{snap} unreadable: {exc.strerror or exc}") from None
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError, RuntimeError) as exc:
+        raise checkpoint.CheckpointError(f"{snap} has a bad index: {exc}") from None
+    try:
+        return tensor_bytes.decode(raw, tensors)
+    except tensor_bytes.StateError as exc:
+        raise checkpoint.CheckpointError(f"{snap}: {exc}") from None
+
+
+def _read_into(source: Any, flat: torch.Tensor) -> int | None:
+    """Fills ``flat`` from ``source``; its CRC-32, or None when the file ends first."""
+    view = flat.numpy().data.cast("B")
+    crc, done = 0, 0
+    while done < len(view):
+        got = source.readinto(view[done : done + PIECE_BYTES])
+        if not got:
+            return None
+        crc = zlib.crc32(view[done : done + got], crc)
+        done += got
+    return crc
+
+
 def _load(directory: Path, iteration: int, trainer: Trainer) -> dict[str, Any]:
     """The verified snapshot of ``iteration`` in ``directory`` for ``trainer``'s shard; raises
     CheckpointError when it is corrupt or of another model, split or shard."""
-    snap, digest = _paths(directory, iteration)
-    try:
-        data, want = snap.read_bytes(), digest.read_text().strip()
-    except OSError as exc:
-        raise checkpoint.CheckpointError(f"{snap} unreadable: {exc.strerror or exc}") from None
-    got = hashlib.sha256(data).hexdigest()
-    if got != want:
-        raise checkpoint.CheckpointError(f"{snap} is corrupt: sha256 {got[:12]}.., recorded {want[:12]}..")
-    try:
-        payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - any decoding failure makes the copy unusable
-        raise checkpoint.CheckpointError(f"{snap} cannot be decoded: {exc}") from None
+    payload = read(directory, iteration)
+    snap = _paths(directory, iteration)[0]
     if payload.get("layout") != checkpoint.layout_of(trainer).as_dict() or payload.get("shard") != list(trainer.shard):
         raise checkpoint.CheckpointError(f"{snap} is of another model, split or shard")
     if payload.get("iteration") != iteration:

@@ -3,9 +3,7 @@ that lack it, as the tensors' own bytes (``reform.exchange_state``'s transfer).
 
 The state dict travels in two parts:
 
-* its *skeleton*: everything but the tensors' contents (keys, Python values, and in place of
-  each tensor a marker with its index and shape), small, serialized with ``torch.save`` and
-  decoded with ``torch.load(weights_only=True)``, as checkpoints are;
+* its *skeleton* (``tensor_bytes``): everything but the tensors' contents, small, serialized;
 * its tensors' bytes, in order. A tensor of at least ``DIRECT_BYTES`` is broadcast from its
   own memory in slices of at most ``CHUNK_BYTES``, into the receiver's buffer for it; smaller
   ones are packed into shared chunks. Nothing of the bulk is pickled, and no rank holds a
@@ -22,7 +20,6 @@ on this machine: CRC-32 runs at about 2.5 GB/s against sha256's 1.1, and ``torch
 
 from __future__ import annotations
 
-import io
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,32 +28,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from unicron.trainer.tensor_bytes import DTYPES, StateError, bytes_of, crc, decode, encode
+
 # A unit of the bulk: bounded, so that a shard of many GB never needs a second whole copy on
 # the device, and large enough that the per-broadcast overhead does not matter.
 CHUNK_BYTES = 64 << 20
 # Tensors at least this large go from their own memory; smaller ones share packed chunks
 # (an optimizer holds hundreds of small tensors, each a broadcast's latency on its own).
 DIRECT_BYTES = 1 << 20
-_MARKER = "__unicron_tensor__"
-_DTYPES = [
-    torch.float32,
-    torch.float64,
-    torch.float16,
-    torch.bfloat16,
-    torch.int64,
-    torch.int32,
-    torch.int16,
-    torch.int8,
-    torch.uint8,
-    torch.bool,
-    torch.complex64,
-    torch.complex128,
-]
 _OK, _REFUSED = 1, 0
-
-
-class StateError(Exception):
-    """Transferred or captured state that must not be used, and why."""
 
 
 @dataclass(frozen=True)
@@ -92,46 +72,6 @@ def _units(sizes: list[int]) -> list[_Unit]:
 
 def _starts(size: int) -> Iterator[int]:
     return iter(range(0, size, CHUNK_BYTES))
-
-
-def _skeleton(value: Any, tensors: list[torch.Tensor]) -> Any:
-    """``value`` with each tensor replaced by its marker; the tensors appended, in order."""
-    if isinstance(value, torch.Tensor):
-        if value.layout != torch.strided or value.dtype not in _DTYPES:
-            raise StateError(f"cannot send a {value.layout} tensor of {value.dtype}")
-        tensors.append(value.detach().contiguous())
-        return {_MARKER: len(tensors) - 1, "shape": list(value.shape)}
-    if isinstance(value, dict):
-        return {key: _skeleton(item, tensors) for key, item in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(_skeleton(item, tensors) for item in value)
-    return value
-
-
-def _filled(value: Any, tensors: list[torch.Tensor]) -> Any:
-    """The skeleton with its markers replaced by the received tensors."""
-    if isinstance(value, dict):
-        if _MARKER in value:
-            index, shape = value[_MARKER], value["shape"]
-            if not isinstance(index, int) or not 0 <= index < len(tensors):
-                raise StateError(f"the state's skeleton names tensor {index!r}, of {len(tensors)}")
-            flat = tensors[index]
-            if flat.numel() != torch.Size(shape).numel():
-                raise StateError(f"tensor {index} has {flat.numel()} elements, its shape {shape} needs more or fewer")
-            return flat.view(shape)
-        return {key: _filled(item, tensors) for key, item in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(_filled(item, tensors) for item in value)
-    return value
-
-
-def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of a contiguous tensor's memory."""
-    return tensor.reshape(-1).view(torch.uint8) if tensor.numel() else torch.empty(0, dtype=torch.uint8)
-
-
-def _crc(data: torch.Tensor) -> int:
-    return zlib.crc32(data.cpu().numpy().data) if data.numel() else 0
 
 
 class _Wire:
@@ -177,9 +117,7 @@ def broadcast_state(
         try:
             if state is None:
                 raise StateError("the source holds no state")
-            buffer = io.BytesIO()
-            torch.save(_skeleton(state, tensors), buffer)
-            skeleton_bytes = buffer.getvalue()
+            skeleton_bytes, tensors = encode(state)
             header = [_OK, len(tensors), len(skeleton_bytes), zlib.crc32(skeleton_bytes)]
         except StateError:
             tensors = []
@@ -189,7 +127,7 @@ def broadcast_state(
             return None
         raise StateError("the source could not send its state")
     table = wire.ints(
-        [v for t in tensors for v in (t.numel() * t.element_size(), _DTYPES.index(t.dtype))] if wire.sending else None,
+        [v for t in tensors for v in (t.numel() * t.element_size(), DTYPES.index(t.dtype))] if wire.sending else None,
         2 * count,
     )
     sizes, codes = table[0::2], table[1::2]
@@ -209,14 +147,10 @@ def broadcast_state(
     if zlib.crc32(raw) != skeleton_crc:
         raise StateError("state is corrupt: its skeleton fails its CRC-32")
     try:
-        decoded = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
-        typed = [flat.view(_DTYPES[code]) for flat, code in zip(tensors, codes, strict=True)]
-    except Exception as exc:  # noqa: BLE001 - any decoding failure makes the state unusable
+        typed = [flat.view(DTYPES[code]) for flat, code in zip(tensors, codes, strict=True)]
+    except Exception as exc:  # noqa: BLE001 - a bad table makes the state unusable
         raise StateError(f"state cannot be decoded: {exc}") from None
-    received = _filled(decoded, typed)
-    if not isinstance(received, dict):
-        raise StateError("state is not a dict")
-    return received
+    return decode(raw, typed)
 
 
 def _send_unit(wire: _Wire, unit: _Unit, tensors: list[torch.Tensor], corrupt: bool) -> int:
@@ -224,26 +158,26 @@ def _send_unit(wire: _Wire, unit: _Unit, tensors: list[torch.Tensor], corrupt: b
     if unit.direct:
         ((index, start, size),) = unit.parts
         if wire.sending:
-            data = _bytes_of(tensors[index])[start : start + size]
-            crc = _crc(data)
+            data = bytes_of(tensors[index])[start : start + size]
+            checksum = crc(data)
             if corrupt:
                 data = _flipped(data)
             wire.tensor(data)
-            return crc
+            return checksum
         data = wire.tensor(tensors[index][start : start + size])
-        return _crc(data)
+        return crc(data)
     if wire.sending:
-        packed = torch.cat([_bytes_of(tensors[index]) for index, _, _ in unit.parts]) if unit.parts else None
+        packed = torch.cat([bytes_of(tensors[index]) for index, _, _ in unit.parts]) if unit.parts else None
         assert packed is not None
-        crc = _crc(packed)
+        checksum = crc(packed)
         wire.tensor(_flipped(packed) if corrupt else packed)
-        return crc
+        return checksum
     packed = wire.tensor(torch.empty(unit.size, dtype=torch.uint8))
     offset = 0
     for index, _, size in unit.parts:
         tensors[index].copy_(packed[offset : offset + size])
         offset += size
-    return _crc(packed)
+    return crc(packed)
 
 
 def _flipped(data: torch.Tensor) -> torch.Tensor:
