@@ -328,6 +328,8 @@ class UnicronSide:
             sample.regain_s = round(recovery["regained_at"] - detected, 4)
         if recovery["lost_s"] is not None:
             sample.lost_s = round(recovery["lost_s"], 4)
+        if recovery["free_resumed_at"] is not None:
+            sample.free_s = round(recovery["free_resumed_at"] - detected, 4)
 
     def ensure_nodes_ready(self) -> None:
         """A resize leaves its node ISOLATED: restart that agent (a repaired node registering

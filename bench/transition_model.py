@@ -155,27 +155,13 @@ class Event:
 LOST_SPAN = 2
 
 
-def time_lost(
-    before: Mapping[int, float],
-    failed_at: int,
-    next_done: float,
-    window: int = 10,
-    *,
-    done_iteration: int | None = None,
-    span: int = 1,
-) -> float | None:
-    """Seconds a failure cost against a failure-free run of the same job: iteration
-    `done_iteration` (by default the first after `failed_at`) completed at `next_done`; without
-    the failure it would have completed that many iteration times after `failed_at` did.
-    `before`: iteration -> when it completed (reports may arrive in batches: several
-    iterations at one time). The iteration time is the median, over the last `window`
-    iterations, of the seconds per iteration between each batch and the first one at least
-    `span` iterations after it, so neither batching, nor one slow iteration (a checkpoint saved,
-    the first one's warm-up), nor a cycle of `span` iterations (a snapshot every other one)
-    moves it. Recomputed iterations, restarts and reforms all count; the iterations' own
-    compute, which the failure-free run pays too, does not. None without two batches to time."""
-    if failed_at not in before:
-        return None
+def iteration_time(before: Mapping[int, float], failed_at: int, window: int = 10, span: int = 1) -> float | None:
+    """A failure-free iteration's seconds before `failed_at`: the median, over the last `window`
+    iterations, of the seconds per iteration between each batch of reports and the first one
+    at least `span` iterations after it, so neither batching, nor one slow iteration (a
+    checkpoint saved, the first one's warm-up), nor a cycle of `span` iterations (a snapshot
+    every other one) moves it. `before`: iteration -> when it completed (reports may arrive in
+    batches: several iterations at one time). None without two batches to time."""
     done = sorted(i for i in before if i <= failed_at)[-(window + 1) :]
     # One point per batch: its last iteration, at the batch's time.
     batches: dict[float, int] = {}
@@ -187,10 +173,30 @@ def time_lost(
         later = next(((i1, t1) for i1, t1 in points[index + 1 :] if i1 - i0 >= span), None)
         if later is not None and later[1] > t0:
             rates.append((later[1] - t0) / (later[0] - i0))
-    if not rates:
+    return statistics.median(rates) if rates else None
+
+
+def time_lost(
+    before: Mapping[int, float],
+    failed_at: int,
+    next_done: float,
+    window: int = 10,
+    *,
+    done_iteration: int | None = None,
+    span: int = 1,
+) -> float | None:
+    """Seconds a failure cost against a failure-free run of the same job: iteration
+    `done_iteration` (by default the first after `failed_at`) completed at `next_done`; without
+    the failure it would have completed that many iteration times (`iteration_time`) after
+    `failed_at` did. Recomputed iterations, restarts and reforms all count; the iterations' own
+    compute, which the failure-free run pays too, does not. None without two batches to time."""
+    if failed_at not in before:
+        return None
+    rate = iteration_time(before, failed_at, window, span)
+    if rate is None:
         return None
     iterations = (done_iteration if done_iteration is not None else failed_at + 1) - failed_at
-    return max(0.0, next_done - before[failed_at] - iterations * statistics.median(rates))
+    return max(0.0, next_done - before[failed_at] - iterations * rate)
 
 
 def recovery_from_events(events: list[Event], detected: float, at_least: int = 0) -> dict[str, Any] | None:
@@ -213,8 +219,16 @@ def recovery_from_events(events: list[Event], detected: float, at_least: int = 0
     lost = None
     if done is not None:
         lost = time_lost(progress, pre, done.time, done_iteration=done.iteration, span=LOST_SPAN)
+    # When a failure-free run would have reported the iteration that resumed the job: the
+    # iteration's own compute, which no transition, however fast, takes out of "to training
+    # again".
+    free_at = None
+    rate = iteration_time(progress, pre, span=LOST_SPAN) if pre in progress else None
+    if first is not None and first.iteration > pre and rate is not None:
+        free_at = progress[pre] + (first.iteration - pre) * rate
     return {
         "lost_s": lost,
+        "free_resumed_at": free_at,
         "pre_failure_iteration": pre,
         "resumed": parse_resumed(events[index].message),
         "resumed_at": events[index].time,
@@ -244,6 +258,10 @@ class Sample:
     cost_transition_s: float | None = None  # incident.cost.transition_seconds (set when it resumed itself)
     regain_s: float | None = None  # progress back at the pre-failure iteration - detected
     lost_s: float | None = None  # training time the failure cost against a failure-free run (time_lost)
+    # When a failure-free run would have reported the iteration that resumed the job - detected:
+    # the least transition_s any remedy could show (None when the job resumed at an iteration
+    # it had done before: it recomputed).
+    free_s: float | None = None
     # A grow only: the re-plan's assignment -> the first iteration at the new size, while the
     # job trains on at the old one (transition_s is then only the pause training took).
     prepare_s: float | None = None
@@ -311,6 +329,8 @@ def summarize(action: str, samples: list[Sample], baseline: list[BaselineSample]
     lost_p50 = _p([s.lost_s for s in done if s.lost_s is not None], 0.5)
     base_lost_p50 = _p([b.lost_s for b in base if b.lost_s is not None], 0.5)
     regain_speedup = _round(base_regain_p50 / regain_p50, 2) if regain_p50 and base_regain_p50 else None
+    free_p50 = _p([s.free_s for s in done if s.free_s is not None], 0.5)
+    pairs = lost_ratios(done, base)
     target = TARGET_SPEEDUP.get(action)
     failed = [s for s in samples if s.error]
     speedup_met = speedup is not None and target is not None and speedup >= target and not failed
@@ -351,6 +371,15 @@ def summarize(action: str, samples: list[Sample], baseline: list[BaselineSample]
         "lost_time_speedup": _round(base_lost_p50 / max(lost_p50, LOST_FLOOR_S), 2)
         if lost_p50 is not None and base_lost_p50
         else None,
+        # The same ratio for each pair of samples failing after the same drawn iteration, the
+        # baseline's loss depending on how far its last checkpoint is: the smallest of them.
+        "lost_time_speedup_pairs": pairs,
+        "lost_time_speedup_min": min(pairs) if pairs else None,
+        # A failure-free run's time from the detection to the iteration that resumed the job,
+        # and the speedup a remedy costing nothing would show against the baseline: where the
+        # iteration's own compute is most of "to training again", no remedy gets past it.
+        "free_p50_s": free_p50,
+        "speedup_ceiling": _round(base_p50 / free_p50, 2) if free_p50 and base_p50 else None,
         "met": speedup_met and lost_met,
         "cost_transition_p50_s": _p([s.cost_transition_s for s in done if s.cost_transition_s is not None], 0.5),
         "state_sources": dict(Counter(s.state_source or "unknown" for s in done)),
@@ -368,6 +397,21 @@ def summarize(action: str, samples: list[Sample], baseline: list[BaselineSample]
         "samples": [asdict(s) for s in samples],
         "baseline_samples": [asdict(b) for b in baseline],
     }
+
+
+def lost_ratios(samples: list[Sample], baseline: list[BaselineSample]) -> list[float]:
+    """Baseline time lost / Unicron's (at least LOST_FLOOR_S), for each Unicron sample and the
+    first unpaired baseline sample that failed after the same drawn iteration, both measured."""
+    free = [b for b in baseline if b.lost_s is not None and not b.error]
+    out = []
+    for sample in samples:
+        if sample.lost_s is None or sample.error:
+            continue
+        match = next((b for b in free if b.step == sample.step), None)
+        if match is not None and match.lost_s is not None:
+            free.remove(match)
+            out.append(round(match.lost_s / max(sample.lost_s, LOST_FLOOR_S), 2))
+    return out
 
 
 def _remedy_name(remedy: int) -> str:

@@ -107,6 +107,22 @@ def test_recovery_is_read_from_the_events_around_the_first_resume() -> None:
     assert transition.recovery_from_events(_events(), 10.2, at_least=59)["regained_at"] == 14.7  # type: ignore[index]
     assert transition.recovery_from_events(_events(), detected=15.0) is None
     assert transition.recovery_from_events(_events()[:4], detected=10.2) is None
+    # It resumed at iteration 51, which it had done before: no failure-free time to compare.
+    assert recovery["free_resumed_at"] is None
+
+
+def test_a_failure_free_run_s_time_to_the_resumed_iteration_is_its_floor() -> None:
+    # A reattempt: the iteration it was in (59) is reported 1.5 s after iteration 58, against
+    # 0.1 s per iteration before; a failure-free run would have reported it at 10.2.
+    events = [e for e in _events() if e.kind != "resumed" and e.time < 14.0]
+    events += [
+        Event("resumed", 11.6, message="training resumed after reattempt at iteration 59", incident_id="inc-1"),
+        Event("progress", 11.6, 59),
+        Event("progress", 11.7, 60),
+    ]
+    recovery = transition.recovery_from_events(events, detected=10.15)
+    assert recovery is not None and recovery["first_iteration"] == 59
+    assert recovery["free_resumed_at"] == pytest.approx(10.2)
 
 
 def test_time_lost_is_against_a_failure_free_run() -> None:
@@ -144,6 +160,21 @@ def test_lost_time_ratio_floors_unicrons_side_at_the_report_batching() -> None:
     assert row["lost_time_speedup"] == pytest.approx(12.0 / transition.LOST_FLOOR_S)
     (row,) = transition.build_report([_sample("reattempt", 0.4)], [])["actions"]
     assert row["lost_time_speedup"] is None
+
+
+def test_lost_time_is_also_compared_pair_by_pair_and_to_training_again_against_its_ceiling() -> None:
+    # Pairs by drawn step: the baseline lost little at step 12 (near its checkpoint).
+    samples = [
+        _sample("reattempt", 4.0, lost_s=0.0, step=12, free_s=3.9),
+        _sample("reattempt", 5.0, lost_s=0.1, step=18, free_s=4.9),
+    ]
+    baseline = [_baseline("reattempt", 9.0, lost_s=24.0), _baseline("reattempt", 8.0, lost_s=1.5)]
+    baseline[0].step, baseline[1].step = 18, 12
+    (row,) = transition.build_report(samples, baseline)["actions"]
+    assert row["lost_time_speedup_pairs"] == [7.5, 120.0]
+    assert row["lost_time_speedup_min"] == 7.5
+    assert row["free_p50_s"] == pytest.approx(4.4)
+    assert row["speedup_ceiling"] == pytest.approx(8.5 / 4.4, abs=0.01)
 
 
 def _sample(action: str, seconds: float | None, lost: int = 0, source: str = "live", **extra: object) -> Sample:
