@@ -221,11 +221,14 @@ def recovery_from_events(events: list[Event], detected: float, at_least: int = 0
         lost = time_lost(progress, pre, done.time, done_iteration=done.iteration, span=LOST_SPAN)
     # When a failure-free run would have reported the iteration that resumed the job: the
     # iteration's own compute, which no transition, however fast, takes out of "to training
-    # again".
+    # again". Counted from the iteration a whole number of LOST_SPAN cycles before it, so
+    # that a slow iteration (the one after a snapshot) is predicted slow.
     free_at = None
     rate = iteration_time(progress, pre, span=LOST_SPAN) if pre in progress else None
     if first is not None and first.iteration > pre and rate is not None:
-        free_at = progress[pre] + (first.iteration - pre) * rate
+        anchor = pre - (first.iteration - pre) % LOST_SPAN
+        anchor = anchor if anchor in progress else pre
+        free_at = progress[anchor] + (first.iteration - anchor) * rate
     return {
         "lost_s": lost,
         "free_resumed_at": free_at,

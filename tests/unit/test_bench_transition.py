@@ -113,7 +113,8 @@ def test_recovery_is_read_from_the_events_around_the_first_resume() -> None:
 
 def test_a_failure_free_run_s_time_to_the_resumed_iteration_is_its_floor() -> None:
     # A reattempt: the iteration it was in (59) is reported 1.5 s after iteration 58, against
-    # 0.1 s per iteration before; a failure-free run would have reported it at 10.2.
+    # 0.1 s per iteration before; a failure-free run would have reported it 0.2 s (a whole
+    # cycle of LOST_SPAN iterations) after iteration 57, at 10.2.
     events = [e for e in _events() if e.kind != "resumed" and e.time < 14.0]
     events += [
         Event("resumed", 11.6, message="training resumed after reattempt at iteration 59", incident_id="inc-1"),
@@ -123,6 +124,22 @@ def test_a_failure_free_run_s_time_to_the_resumed_iteration_is_its_floor() -> No
     recovery = transition.recovery_from_events(events, detected=10.15)
     assert recovery is not None and recovery["first_iteration"] == 59
     assert recovery["free_resumed_at"] == pytest.approx(10.2)
+
+
+def test_the_failure_free_time_predicts_a_slow_iteration_slow() -> None:
+    # Iterations alternate 3 s (after a snapshot, every even one) and 1 s: the one after 58
+    # is slow. Counted from 58 at the mean 2 s, it would be due at 60 s; from 57, a cycle
+    # earlier, at 61 s, as it is in a failure-free run.
+    done, at = {}, 0.0
+    for iteration in range(48, 59):
+        at += 3.0 if iteration % 2 else 1.0
+        done[iteration] = at
+    events = [Event("progress", t, i) for i, t in done.items()]
+    events += [Event("resumed", done[58] + 3.5, message="training resumed after reattempt at iteration 59")]
+    events += [Event("progress", done[58] + 3.5, 59)]
+    recovery = transition.recovery_from_events(events, detected=done[58] + 0.5)
+    assert recovery is not None
+    assert recovery["free_resumed_at"] == pytest.approx(done[58] + 3.0)
 
 
 def test_time_lost_is_against_a_failure_free_run() -> None:
