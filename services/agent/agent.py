@@ -157,6 +157,7 @@ class Agent:
                 on_iteration=self._trainer_iteration,
                 on_error=self._trainer_error,
                 on_fault_fired=self._fault_fired,
+                on_left_iteration=self._left_iteration,
             ),
         )
         self.watch = JobWatch(settings.monitor)
@@ -279,6 +280,12 @@ class Agent:
         if flush is None:
             raise Rejected("FAILED_PRECONDITION", f"job {key.job_id} generation {key.generation} is not running here")
         self.client.queue_progress(report, flush=flush)
+
+    def _left_iteration(self, key: WorkerKey, report: pb.IterationReport) -> None:
+        """Rank 0's last iteration in the generation a reform moved it from: its generation is
+        no longer watched here, and the coordinator takes it as progress only, at once."""
+        if key.rank == 0 and report.iteration > 0:
+            self.client.queue_progress(report, flush=True)
 
     def _trainer_error(self, key: WorkerKey, error: trainer_service_pb2.TrainerError) -> None:
         self._errors[key] = error.message

@@ -50,6 +50,9 @@ class LinkHandlers:
     on_iteration: Callable[[WorkerKey, node_service_pb2.IterationReport], None]  # may raise Rejected
     on_error: Callable[[WorkerKey, pb.TrainerError], None]
     on_fault_fired: Callable[[WorkerKey, pb.FaultFired], None]
+    # The last iteration a re-keyed trainer ran under the key it left (its generation and
+    # rank there): progress made, which the coordinator records while the job recovers.
+    on_left_iteration: Callable[[WorkerKey, node_service_pb2.IterationReport], None] = lambda key, report: None
 
 
 @dataclass
@@ -73,6 +76,8 @@ class TrainerLink(trainer_service_pb2_grpc.TrainerAgentServiceServicer):
         # was started with: that key -> its key now. And what it is to be told once there.
         self._moved: dict[WorkerKey, WorkerKey] = {}
         self._held: dict[WorkerKey, list[pb.ConnectResponse]] = {}
+        # A connected trainer re-keyed by a reform: its key now -> the key it left.
+        self._left: dict[WorkerKey, WorkerKey] = {}
 
     def Connect(
         self, request_iterator: Iterator[pb.ConnectRequest], context: grpc.ServicerContext
@@ -127,6 +132,7 @@ class TrainerLink(trainer_service_pb2_grpc.TrainerAgentServiceServicer):
             with self._lock:
                 if self._streams.get(stream.key) is stream:
                     del self._streams[stream.key]
+                    self._left.pop(stream.key, None)
             self._limiter.forget(str(stream.key))
 
     def rekey(self, old: WorkerKey, new: WorkerKey, move_worker: Callable[[], object] = lambda: None) -> bool:
@@ -145,6 +151,7 @@ class TrainerLink(trainer_service_pb2_grpc.TrainerAgentServiceServicer):
                 return False
             stream.key = new
             self._streams[new] = stream
+            self._left[new] = old
         return True
 
     def wait_drained(self, key: WorkerKey, timeout_s: float) -> bool:
@@ -195,9 +202,15 @@ class TrainerLink(trainer_service_pb2_grpc.TrainerAgentServiceServicer):
             report = message.iteration
             if report.job_id == key.job_id and report.generation < key.generation:
                 # The iteration in flight when a reform re-keyed this trainer ends under the
-                # generation it left: stale, as the coordinator would find it, and no fault
-                # of the trainer's.
-                log.debug("report of a generation left behind dropped", extra={"job_id": key.job_id})
+                # generation it left: no fault of the trainer's. Under the very key it left, it
+                # is progress made (the coordinator keeps rank 0's while the job recovers);
+                # older, it is dropped.
+                with self._lock:
+                    left = self._left.get(key)
+                if left is not None and (report.generation, report.rank) == (left.generation, left.rank):
+                    self._handlers.on_left_iteration(left, report)
+                else:
+                    log.debug("report of a generation left behind dropped", extra={"job_id": key.job_id})
                 return
             if (report.job_id, report.generation, report.rank) != (key.job_id, key.generation, key.rank):
                 raise Rejected("INVALID_ARGUMENT", "iteration: reports may only be about the sending trainer")

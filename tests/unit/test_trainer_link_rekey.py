@@ -105,22 +105,39 @@ def test_a_hello_of_no_worker_is_refused() -> None:
     assert refused.value.args[0] == grpc.StatusCode.NOT_FOUND
 
 
-def test_the_iteration_in_flight_at_a_reform_is_dropped_quietly_and_a_foreign_one_refused() -> None:
+def test_the_iteration_in_flight_at_a_reform_is_passed_on_as_progress_and_a_foreign_one_refused() -> None:
     """Re-keyed by a reform, a trainer still ends the iteration it was in under the generation
-    it left: stale, dropped without a refusal. A report about another rank, or a generation
-    the trainer is not in yet, is still refused."""
+    it left: progress made, passed on (no refusal) under the key it left. One of a generation
+    older still is dropped; a report about another rank, or a generation the trainer is not
+    in yet, is refused."""
     from services.agent.trainer_link import Rejected
     from unicron.v1 import node_service_pb2
 
     seen: list[node_service_pb2.IterationReport] = []
-    link = TrainerLink("n1", LinkHandlers(lambda key: True, lambda key, r: seen.append(r), print, print))
+    left: list[tuple[WorkerKey, int]] = []
+    handlers = LinkHandlers(
+        lambda key: key in {OLD, NEW},
+        lambda key, r: seen.append(r),
+        print,
+        print,
+        on_left_iteration=lambda key, r: left.append((key, r.iteration)),
+    )
+    link = TrainerLink("n1", handlers)
 
     def iteration(generation: int, rank: int) -> pb.ConnectRequest:
         report = node_service_pb2.IterationReport(job_id="job-1", generation=generation, rank=rank, iteration=7)
         return pb.ConnectRequest(iteration=report)
 
+    # Not connected when re-keyed: nothing is known of the key it left, and nothing passes.
     link._handle(NEW, iteration(OLD.generation, OLD.rank))
-    assert seen == []
+    assert seen == [] and left == []
+    connect(link, OLD)
+    assert link.rekey(OLD, NEW)
+    link._handle(NEW, iteration(OLD.generation, OLD.rank))
+    assert left == [(OLD, 7)] and seen == []
+    link._handle(NEW, iteration(OLD.generation - 1, OLD.rank))
+    link._handle(NEW, iteration(OLD.generation, OLD.rank + 1))
+    assert len(left) == 1
     for generation, rank in ((NEW.generation, 0), (NEW.generation + 1, NEW.rank)):
         with pytest.raises(Rejected, match="only be about the sending trainer"):
             link._handle(NEW, iteration(generation, rank))
