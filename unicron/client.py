@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Generator, Iterator, Sequence
 
 import grpc
@@ -13,6 +14,13 @@ from unicron.v1 import common_pb2, job_service_pb2, job_service_pb2_grpc, logs_p
 DEFAULT_COORDINATOR = "127.0.0.1:50051"
 # A read of logs that does not follow them ends by then, however long they are.
 LOGS_TIMEOUT_S = 300.0
+# With several coordinators (one active, standbys), a read that finds none answering is sent
+# again for this long: a standby takes the lease over within its TTL (3 s by default) of the
+# active one's end and then starts serving. With one coordinator it fails at once, as an
+# address with nothing behind it should. Only reads: sending them twice changes nothing.
+FAILOVER_S = 10.0
+FAILOVER_RETRY_S = 0.25
+_READS = frozenset({"GetJob", "ListJobs", "ListNodes", "ListIncidents", "GetCluster"})
 
 
 class ClientError(Exception):
@@ -59,10 +67,17 @@ class UnicronClient:
         self.close()
 
     def _call(self, method: str, request: object) -> object:
-        try:
-            return getattr(self._stub, method)(request, timeout=self._timeout_s)
-        except grpc.RpcError as exc:
-            raise _unwrap(exc, self.address) from None
+        failover = method in _READS and "," in self.address
+        give_up = time.monotonic() + (FAILOVER_S if failover else 0.0)
+        while True:
+            try:
+                return getattr(self._stub, method)(request, timeout=self._timeout_s)
+            except grpc.RpcError as exc:
+                error = _unwrap(exc, self.address)
+                unreachable = error.code == grpc.StatusCode.UNAVAILABLE and str(error).startswith("cannot reach")
+                if not unreachable or time.monotonic() >= give_up:
+                    raise error from None
+            time.sleep(FAILOVER_RETRY_S)
 
     def submit(self, spec: common_pb2.JobSpec) -> common_pb2.Job:
         reply = self._call("SubmitJob", job_service_pb2.SubmitJobRequest(spec=spec))
