@@ -147,6 +147,11 @@ def with_defaults(spec: common_pb2.JobSpec) -> common_pb2.JobSpec:
     train.learning_rate = train.learning_rate or 1e-3
     train.checkpoint_interval = train.checkpoint_interval or DEFAULT_CHECKPOINT_INTERVAL
     train.lr_decay_style = train.lr_decay_style or "constant"
+    train.lr_wsd_decay_style = train.lr_wsd_decay_style or OPTIMIZER_DEFAULTS["lr_wsd_decay_style"]
+    train.optimizer = train.optimizer or OPTIMIZER_DEFAULTS["optimizer"]
+    for name in OPTIONAL_OPTIMIZER_SETTINGS:
+        if not train.HasField(name):
+            setattr(train, name, OPTIMIZER_DEFAULTS[name])
     out.weight = out.weight or 1.0
     return out
 
@@ -184,19 +189,9 @@ def validate(spec: common_pb2.JobSpec) -> None:
     for name in ("parameters", "tokens_per_step"):
         value = getattr(est, name)
         _require(math.isfinite(value) and value >= 0, f"spec.estimate.{name}", "must be a non-negative number")
-    _require(
-        train.lr_decay_style in LR_DECAY_STYLES,
-        "spec.training.lr_decay_style",
-        f"{train.lr_decay_style!r} is not one of {', '.join(LR_DECAY_STYLES)}",
-    )
-    for name in ("min_learning_rate", "weight_decay"):
-        value = getattr(train, name)
-        _require(math.isfinite(value) and value >= 0, f"spec.training.{name}", "must be a non-negative number")
-    _require(
-        train.min_learning_rate <= train.learning_rate,
-        "spec.training.min_learning_rate",
-        "must not exceed learning_rate",
-    )
+    problem = training_problem({name: getattr(train, name) for name in TRAINING_CHECKED})
+    if problem is not None:
+        raise InvalidArgument(f"spec.training.{problem[0]}", problem[1])
     allowed = set(allowed_sizes(spec))
     for size, flops in spec.throughput.items():
         _require(
@@ -219,7 +214,104 @@ ENTRY_POINT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # Settings of the trainer runtime itself, which a program's environment must not override.
 RESERVED_ENV_PREFIX = "UNICRON_TRAINER_"
-LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+LR_WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
+OPTIMIZERS = ("adam", "sgd")
+# The optimizer settings a spec or a Training may leave out, and what they then are: Megatron-
+# Core's own defaults.
+OPTIMIZER_DEFAULTS: dict[str, Any] = {
+    "optimizer": "adam",
+    "adam_beta1": 0.9,
+    "adam_beta2": 0.999,
+    "adam_eps": 1e-8,
+    "sgd_momentum": 0.9,
+    "clip_grad": 1.0,
+    "lr_wsd_decay_style": "linear",
+}
+# The spec's settings with presence: unset means the default, a set 0 is a 0.
+OPTIONAL_OPTIMIZER_SETTINGS = ("adam_beta1", "adam_beta2", "adam_eps", "sgd_momentum", "clip_grad")
+# The settings ``training_problem`` checks, by their names in both the spec and ``Training``.
+TRAINING_CHECKED = (
+    "iterations",
+    "learning_rate",
+    "min_learning_rate",
+    "weight_decay",
+    "lr_warmup_iterations",
+    "lr_decay_iterations",
+    "lr_decay_style",
+    "lr_wsd_decay_iterations",
+    "lr_wsd_decay_style",
+    "optimizer",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_eps",
+    "sgd_momentum",
+    "clip_grad",
+)
+
+
+def _finite_at_least(value: float, low: float) -> bool:
+    return math.isfinite(value) and value >= low
+
+
+def training_problem(values: Mapping[str, Any]) -> tuple[str, str] | None:
+    """The first bad optimizer or schedule setting in ``values`` (the ``TRAINING_CHECKED``
+    names, defaults filled) as (field, problem), or None. One rule set for the job spec (checked
+    at submit) and for ``Training`` (runs without Unicron)."""
+    rules: list[tuple[str, bool, str]] = [
+        (
+            "optimizer",
+            values["optimizer"] in OPTIMIZERS,
+            f"{values['optimizer']!r} is not one of {', '.join(OPTIMIZERS)}",
+        ),
+        (
+            "lr_decay_style",
+            values["lr_decay_style"] in LR_DECAY_STYLES,
+            f"{values['lr_decay_style']!r} is not one of {', '.join(LR_DECAY_STYLES)}",
+        ),
+        (
+            "lr_wsd_decay_style",
+            values["lr_wsd_decay_style"] in LR_WSD_DECAY_STYLES,
+            f"{values['lr_wsd_decay_style']!r} is not one of {', '.join(LR_WSD_DECAY_STYLES)}",
+        ),
+        ("min_learning_rate", _finite_at_least(values["min_learning_rate"], 0), "must be a non-negative number"),
+        ("weight_decay", _finite_at_least(values["weight_decay"], 0), "must be a non-negative number"),
+        ("min_learning_rate", values["min_learning_rate"] <= values["learning_rate"], "must not exceed learning_rate"),
+        ("adam_beta1", _finite_at_least(values["adam_beta1"], 0) and values["adam_beta1"] < 1, "must lie in [0, 1)"),
+        ("adam_beta2", _finite_at_least(values["adam_beta2"], 0) and values["adam_beta2"] < 1, "must lie in [0, 1)"),
+        ("adam_eps", _finite_at_least(values["adam_eps"], 0) and values["adam_eps"] > 0, "must be a positive number"),
+        (
+            "sgd_momentum",
+            _finite_at_least(values["sgd_momentum"], 0) and values["sgd_momentum"] < 1,
+            "must lie in [0, 1)",
+        ),
+        ("clip_grad", _finite_at_least(values["clip_grad"], 0), "must be a non-negative number (0: no clipping)"),
+    ]
+    decay = values["lr_decay_iterations"] or values["iterations"]
+    style = values["lr_decay_style"]
+    if style != "constant":
+        rules.append(
+            (
+                "lr_decay_iterations",
+                decay > values["lr_warmup_iterations"],
+                f"the decay span ({decay} iterations) must be longer than lr_warmup_iterations"
+                f" ({values['lr_warmup_iterations']}) for lr_decay_style {style}",
+            )
+        )
+    if style == "WSD":
+        wsd = values["lr_wsd_decay_iterations"]
+        rules.append(
+            (
+                "lr_wsd_decay_iterations",
+                0 < wsd <= decay - values["lr_warmup_iterations"],
+                f"must lie in [1, {decay - values['lr_warmup_iterations']}] (the decay span after warm-up)"
+                " for lr_decay_style WSD",
+            )
+        )
+    for field, ok, problem in rules:
+        if not ok:
+            return field, problem
+    return None
 
 
 def validate_program(program: common_pb2.ProgramSpec) -> None:

@@ -65,6 +65,8 @@ BAD_SPECS = [
     ({"program": {"env": {"UNICRON_TRAINER_RANK": "3"}}}, "spec.program.env[UNICRON_TRAINER_RANK]"),
     ({"estimate": {"parameters": -1.0}}, "spec.estimate.parameters"),
     ({"training": {"lr_decay_style": "stepwise"}}, "spec.training.lr_decay_style"),
+    ({"training": {"adam_beta2": 1.5}}, "spec.training.adam_beta2"),
+    ({"training": {"optimizer": "lamb"}}, "spec.training.optimizer"),
     ({"parallelism": {"data": 0}}, "spec.parallelism.data"),
     ({"parallelism": {"data": 2, "min_data": 3, "max_data": 4}}, "spec.parallelism.data"),
     ({"training": {"iterations": 0}}, "spec.training.iterations"),

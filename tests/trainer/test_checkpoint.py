@@ -126,6 +126,26 @@ def test_prune_keeps_the_last_two_complete(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_00000009", "iter_00000012"]
 
 
+def test_prune_leaves_what_unicron_did_not_write(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # Megatron-LM's own layout in the same directory: an iteration directory and its marker.
+    foreign = checkpoint.iteration_dir(tmp_path, 100)
+    (foreign / "mp_rank_00").mkdir(parents=True)
+    (foreign / "mp_rank_00" / "model_optim_rng.pt").write_bytes(b"weights")
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("100")
+    empty_foreign = checkpoint.iteration_dir(tmp_path, 2)
+    empty_foreign.mkdir()
+    # A checkpoint Unicron wrote before its directories were marked: its manifest names it.
+    _save(tmp_path, 3, 3.0)
+    (checkpoint.iteration_dir(tmp_path, 3) / checkpoint.OWNER_MARK).unlink()
+    for iteration in (6, 9):
+        _save(tmp_path, iteration, float(iteration))
+    with caplog.at_level(logging.WARNING):
+        assert checkpoint.prune(tmp_path, 200) == [3]
+    assert (foreign / "mp_rank_00" / "model_optim_rng.pt").read_bytes() == b"weights"
+    assert empty_foreign.is_dir() and (tmp_path / "latest_checkpointed_iteration.txt").is_file()
+    assert "not written by Unicron (iter_00000002, iter_00000100)" in caplog.text
+
+
 # --- exactness: stop at a checkpoint, resume in a new trainer, world 1 in this process ---------
 
 

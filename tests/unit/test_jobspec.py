@@ -225,3 +225,57 @@ def test_numbers_out_of_range_are_refused_by_validation(tmp_path: Path, yaml_tex
     with pytest.raises(InvalidArgument) as error:
         jobspec.normalized(jobspec.load_spec_file(file))
     assert error.value.field == field
+
+
+def _with_training(**values: object) -> common_pb2.JobSpec:
+    spec = jobspec.load_spec_file(EXAMPLE)
+    for name, value in values.items():
+        setattr(spec.training, name, value)
+    return spec
+
+
+@pytest.mark.parametrize(
+    ("values", "field"),
+    [
+        ({"optimizer": "lamb"}, "spec.training.optimizer"),
+        ({"adam_beta1": 1.0}, "spec.training.adam_beta1"),
+        ({"adam_beta2": -0.1}, "spec.training.adam_beta2"),
+        ({"adam_beta2": float("nan")}, "spec.training.adam_beta2"),
+        ({"adam_eps": 0.0}, "spec.training.adam_eps"),
+        ({"sgd_momentum": 1.5}, "spec.training.sgd_momentum"),
+        ({"clip_grad": -1.0}, "spec.training.clip_grad"),
+        ({"clip_grad": float("inf")}, "spec.training.clip_grad"),
+        ({"lr_decay_style": "WSD"}, "spec.training.lr_wsd_decay_iterations"),  # WSD needs its anneal
+        ({"lr_decay_style": "WSD", "lr_wsd_decay_iterations": 61}, "spec.training.lr_wsd_decay_iterations"),
+        (
+            {"lr_decay_style": "WSD", "lr_wsd_decay_iterations": 5, "lr_wsd_decay_style": "step"},
+            "spec.training.lr_wsd_decay_style",
+        ),
+        ({"lr_decay_style": "cosine", "lr_warmup_iterations": 60}, "spec.training.lr_decay_iterations"),
+        (
+            {"lr_decay_style": "linear", "lr_decay_iterations": 10, "lr_warmup_iterations": 10},
+            "spec.training.lr_decay_iterations",
+        ),
+    ],
+)
+def test_optimizer_settings_out_of_range_name_the_field(values: dict, field: str) -> None:
+    with pytest.raises(InvalidArgument) as error:
+        jobspec.normalized(_with_training(**values))
+    assert error.value.field == field
+
+
+def test_tuned_optimizer_settings_are_accepted_and_unset_ones_defaulted() -> None:
+    spec = jobspec.normalized(
+        _with_training(
+            adam_beta2=0.95,
+            clip_grad=0.0,
+            lr_decay_style="WSD",
+            lr_decay_iterations=50,
+            lr_wsd_decay_iterations=10,
+            overlap_grad_reduce=True,
+        )
+    )
+    train = spec.training
+    assert (train.optimizer, train.adam_beta1, train.adam_beta2, train.adam_eps) == ("adam", 0.9, 0.95, 1e-8)
+    assert (train.clip_grad, train.sgd_momentum, train.lr_wsd_decay_style) == (0.0, 0.9, "linear")
+    assert train.overlap_grad_reduce and train.lr_decay_iterations == 50

@@ -14,7 +14,8 @@ on each); every rank then joins one ``all_gather_object`` carrying the shard rec
 also the barrier: once it returns on global rank 0 every shard is durable, and rank 0 writes
 the manifest (temp file, fsync, ``os.replace``, fsync of the directory). A crash at any point
 leaves either no manifest (incomplete, ignored) or a manifest whose shards are all on disk.
-Rank 0 then keeps the newest ``KEEP`` complete checkpoints and deletes the rest.
+Rank 0 then keeps the newest ``KEEP`` complete checkpoints and deletes the rest of what
+Unicron wrote (``OWNER_MARK``); another program's ``iter_*`` directories are left alone.
 
 Restoring is collective too. Rank 0 lists the complete checkpoints (newest first) and
 broadcasts that list, so every rank considers the same candidates even if its view of a
@@ -51,6 +52,11 @@ log = logging.getLogger(__name__)
 
 FORMAT = 1
 MANIFEST = "manifest.json"
+# Dropped into an ``iter_*`` directory before Unicron writes anything there: what ``prune``
+# may delete is what carries it (or a manifest of Unicron's format, written before the mark
+# existed). A checkpoint directory may also hold another program's ``iter_*`` directories
+# (Megatron-LM's own layout is ``iter_0000100/`` beside ``latest_checkpointed_iteration.txt``).
+OWNER_MARK = ".unicron-checkpoint"
 # Complete checkpoints kept on disk; older ones are deleted after each save.
 KEEP = 2
 SOURCE_CHECKPOINT = "checkpoint"
@@ -147,6 +153,7 @@ def write_shard(root: str | Path, iteration: int, tp_rank: int, pp_rank: int, st
     else worth keeping) and returns what the manifest records of it."""
     directory = iteration_dir(root, iteration)
     directory.mkdir(parents=True, exist_ok=True)
+    (directory / OWNER_MARK).touch()
     payload = {**state, "format": FORMAT, "iteration": iteration, "tp_rank": tp_rank, "pp_rank": pp_rank}
     buffer = io.BytesIO()
     torch.save(payload, buffer)
@@ -282,17 +289,39 @@ def find_latest(
     return None
 
 
+def written_by_unicron(directory: Path) -> bool:
+    """Whether Unicron wrote ``directory``: its mark, or a manifest of Unicron's format."""
+    if (directory / OWNER_MARK).is_file():
+        return True
+    try:
+        manifest = json.loads((directory / MANIFEST).read_bytes())
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and manifest.get("format") == FORMAT and "shards" in manifest
+
+
 def prune(root: str | Path, newest: int, keep: int = KEEP) -> list[int]:
     """After checkpoint ``newest`` is complete: keeps it and the ``keep - 1`` newest complete
-    ones before it and deletes every other ``iter_*`` directory: older checkpoints, incomplete
-    leftovers, and anything newer than ``newest``, which can only be a bad checkpoint of an
-    abandoned run (restoring always takes the newest good one, and training on from there is
-    deterministic). Returns the deleted iterations."""
+    ones before it and deletes every other ``iter_*`` directory Unicron wrote: older
+    checkpoints, incomplete leftovers, and anything newer than ``newest``, which can only be a
+    bad checkpoint of an abandoned run (restoring always takes the newest good one, and
+    training on from there is deterministic). An ``iter_*`` directory Unicron did not write
+    (another program's checkpoint) is left alone and named in a warning. Returns the deleted
+    iterations."""
     dirs = _iteration_dirs(root)
-    complete = [i for i in sorted(dirs, reverse=True) if i <= newest and (dirs[i] / MANIFEST).is_file()]
+    ours = {i: path for i, path in dirs.items() if written_by_unicron(path)}
+    foreign = sorted(path.name for i, path in dirs.items() if i not in ours)
+    if foreign:
+        log.warning(
+            "leaving %d checkpoint directories in %s alone: not written by Unicron (%s)",
+            len(foreign),
+            root,
+            ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else ""),
+        )
+    complete = [i for i in sorted(ours, reverse=True) if i <= newest and (ours[i] / MANIFEST).is_file()]
     kept = set(complete[:keep])
     deleted = []
-    for iteration, path in sorted(dirs.items()):
+    for iteration, path in sorted(ours.items()):
         if iteration not in kept:
             shutil.rmtree(path, ignore_errors=True)
             deleted.append(iteration)

@@ -114,7 +114,10 @@ class MegatronTrainer:
         # This step's local gradients (copied as the all-reduce begins, which overwrites them
         # in place) and micro-batch (loss sum, tokens): what a failed all-reduce leaves to
         # reuse. The copy costs one more gradient buffer of memory.
-        self.keep_local_grads = True
+        # Under overlap_grad_reduce the buckets are reduced in place while the backward pass
+        # still runs, so no whole copy of the local gradients exists by the time this rank
+        # reaches the all-reduce: a reattempt then recomputes the step's micro-batches.
+        self.keep_local_grads = not training.overlap_grad_reduce
         self._local_grads: list[torch.Tensor] | None = None
         self._step_losses: list[torch.Tensor] = []
         with cpu_mode(device):
@@ -140,12 +143,22 @@ class MegatronTrainer:
             config=config,
             # average_in_collective=False (the default): each rank scales its grads by 1/DP
             # and the all-reduce sums them, i.e. grads are averaged over DP ranks.
-            ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True),
+            ddp_config=DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, overlap_grad_reduce=t.overlap_grad_reduce
+            ),
             module=module,
         )
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(
-                optimizer="adam", lr=t.learning_rate, min_lr=t.min_learning_rate, weight_decay=t.weight_decay
+                optimizer=t.optimizer,
+                lr=t.learning_rate,
+                min_lr=t.min_learning_rate,
+                weight_decay=t.weight_decay,
+                adam_beta1=t.adam_beta1,
+                adam_beta2=t.adam_beta2,
+                adam_eps=t.adam_eps,
+                sgd_momentum=t.sgd_momentum,
+                clip_grad=t.clip_grad,
             ),
             [self.model],
         )
@@ -162,6 +175,8 @@ class MegatronTrainer:
             end_wd=t.weight_decay,
             wd_incr_steps=decay,
             wd_incr_style="constant",
+            wsd_decay_steps=t.lr_wsd_decay_iterations or None,
+            lr_wsd_decay_style=t.lr_wsd_decay_style,
         )
         # Without these hooks the schedule never triggers DDP's grad all-reduce.
         config.no_sync_func = self.model.no_sync

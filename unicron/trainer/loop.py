@@ -15,7 +15,7 @@ import time
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
-from unicron.jobspec import DEFAULT_CHECKPOINT_INTERVAL
+from unicron.jobspec import DEFAULT_CHECKPOINT_INTERVAL, OPTIMIZER_DEFAULTS, OPTIONAL_OPTIMIZER_SETTINGS
 from unicron.trainer.program import MegatronProgram, Training
 from unicron.trainer.protocol import T
 from unicron.trainer.runtime import (
@@ -51,6 +51,12 @@ def training_of(spec: common_pb2.JobSpec) -> Training:
         lr_decay_style=t.lr_decay_style or "constant",
         min_learning_rate=t.min_learning_rate,
         weight_decay=t.weight_decay,
+        lr_decay_iterations=t.lr_decay_iterations,
+        lr_wsd_decay_iterations=t.lr_wsd_decay_iterations,
+        lr_wsd_decay_style=t.lr_wsd_decay_style or OPTIMIZER_DEFAULTS["lr_wsd_decay_style"],
+        optimizer=t.optimizer or OPTIMIZER_DEFAULTS["optimizer"],
+        overlap_grad_reduce=t.overlap_grad_reduce,
+        **{name: getattr(t, name) for name in OPTIONAL_OPTIMIZER_SETTINGS if t.HasField(name)},
     )
 
 
@@ -70,6 +76,13 @@ def local_spec(training: Training) -> common_pb2.JobSpec:
     t.lr_decay_style = training.lr_decay_style
     t.min_learning_rate = training.min_learning_rate
     t.weight_decay = training.weight_decay
+    t.lr_decay_iterations = training.lr_decay_iterations
+    t.lr_wsd_decay_iterations = training.lr_wsd_decay_iterations
+    t.lr_wsd_decay_style = training.lr_wsd_decay_style
+    t.optimizer = training.optimizer
+    t.overlap_grad_reduce = training.overlap_grad_reduce
+    for name in OPTIONAL_OPTIMIZER_SETTINGS:
+        setattr(t, name, getattr(training, name))
     return spec
 
 

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from unicron.jobspec import LR_DECAY_STYLES
+from unicron.jobspec import OPTIMIZER_DEFAULTS, TRAINING_CHECKED, training_problem
 
 if TYPE_CHECKING:
     import torch
@@ -34,11 +34,16 @@ class Training:
 
     iterations: optimizer iterations to run. global_batch_size: samples per iteration over all
     data-parallel ranks, kept across every resize. micro_batch_size: samples per forward pass on
-    one rank. learning_rate: Adam's peak learning rate. seed: of the model's initialization.
+    one rank. learning_rate: the peak learning rate. seed: of the model's initialization.
     tensor_parallel, pipeline_parallel: the model's split; the data-parallel degree is what the
     world size leaves. checkpoint_interval: iterations between persistent checkpoints (0: none,
     when run without Unicron). lr_warmup_iterations, lr_decay_iterations (0: iterations),
-    lr_decay_style, min_learning_rate, weight_decay: Megatron's OptimizerParamScheduler."""
+    lr_decay_style (constant, linear, cosine, inverse-square-root, WSD), lr_wsd_decay_iterations
+    and lr_wsd_decay_style (WSD's anneal), min_learning_rate, weight_decay: Megatron's
+    OptimizerParamScheduler. optimizer (adam, sgd), adam_beta1, adam_beta2, adam_eps,
+    sgd_momentum, clip_grad (0: no clipping): Megatron-Core's OptimizerConfig, with its
+    defaults. overlap_grad_reduce: Megatron DDP's overlap of the gradient reduce with the
+    backward pass."""
 
     iterations: int = 100
     global_batch_size: int = 8
@@ -53,20 +58,34 @@ class Training:
     lr_decay_style: str = "constant"
     min_learning_rate: float = 0.0
     weight_decay: float = 0.0
+    lr_wsd_decay_iterations: int = 0
+    lr_wsd_decay_style: str = OPTIMIZER_DEFAULTS["lr_wsd_decay_style"]
+    optimizer: str = OPTIMIZER_DEFAULTS["optimizer"]
+    adam_beta1: float = OPTIMIZER_DEFAULTS["adam_beta1"]
+    adam_beta2: float = OPTIMIZER_DEFAULTS["adam_beta2"]
+    adam_eps: float = OPTIMIZER_DEFAULTS["adam_eps"]
+    sgd_momentum: float = OPTIMIZER_DEFAULTS["sgd_momentum"]
+    clip_grad: float = OPTIMIZER_DEFAULTS["clip_grad"]
+    overlap_grad_reduce: bool = False
 
     def __post_init__(self) -> None:
         for name in ("iterations", "global_batch_size", "micro_batch_size", "tensor_parallel", "pipeline_parallel"):
             if getattr(self, name) < 1:
                 raise ProgramError(f"training.{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("checkpoint_interval", "lr_warmup_iterations", "lr_decay_iterations", "seed"):
+        for name in (
+            "checkpoint_interval",
+            "lr_warmup_iterations",
+            "lr_decay_iterations",
+            "lr_wsd_decay_iterations",
+            "seed",
+        ):
             if getattr(self, name) < 0:
                 raise ProgramError(f"training.{name} must not be negative, got {getattr(self, name)}")
         if not (math.isfinite(self.learning_rate) and self.learning_rate > 0):
             raise ProgramError(f"training.learning_rate must be a positive number, got {self.learning_rate}")
-        if not 0 <= self.min_learning_rate <= self.learning_rate:
-            raise ProgramError("training.min_learning_rate must lie in [0, learning_rate]")
-        if self.lr_decay_style not in LR_DECAY_STYLES:
-            raise ProgramError(f"training.lr_decay_style must be one of {', '.join(LR_DECAY_STYLES)}")
+        problem = training_problem({name: getattr(self, name) for name in TRAINING_CHECKED})
+        if problem is not None:
+            raise ProgramError(f"training.{problem[0]} {problem[1]}")
         if self.global_batch_size % self.micro_batch_size:
             raise ProgramError(
                 f"training.global_batch_size ({self.global_batch_size}) must be divisible by"
