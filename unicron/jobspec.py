@@ -149,6 +149,7 @@ def with_defaults(spec: common_pb2.JobSpec) -> common_pb2.JobSpec:
     train.lr_decay_style = train.lr_decay_style or "constant"
     train.lr_wsd_decay_style = train.lr_wsd_decay_style or OPTIMIZER_DEFAULTS["lr_wsd_decay_style"]
     train.optimizer = train.optimizer or OPTIMIZER_DEFAULTS["optimizer"]
+    train.precision = train.precision or OPTIMIZER_DEFAULTS["precision"]
     for name in OPTIONAL_OPTIMIZER_SETTINGS:
         if not train.HasField(name):
             setattr(train, name, OPTIMIZER_DEFAULTS[name])
@@ -227,7 +228,9 @@ OPTIMIZER_DEFAULTS: dict[str, Any] = {
     "sgd_momentum": 0.9,
     "clip_grad": 1.0,
     "lr_wsd_decay_style": "linear",
+    "precision": "fp32",
 }
+PRECISIONS = ("fp32", "bf16", "fp16")
 # The spec's settings with presence: unset means the default, a set 0 is a 0.
 OPTIONAL_OPTIMIZER_SETTINGS = ("adam_beta1", "adam_beta2", "adam_eps", "sgd_momentum", "clip_grad")
 # The settings ``training_problem`` checks, by their names in both the spec and ``Training``.
@@ -247,6 +250,8 @@ TRAINING_CHECKED = (
     "adam_eps",
     "sgd_momentum",
     "clip_grad",
+    "precision",
+    "distributed_optimizer",
 )
 
 
@@ -274,6 +279,11 @@ def training_problem(values: Mapping[str, Any]) -> tuple[str, str] | None:
             values["lr_wsd_decay_style"] in LR_WSD_DECAY_STYLES,
             f"{values['lr_wsd_decay_style']!r} is not one of {', '.join(LR_WSD_DECAY_STYLES)}",
         ),
+        (
+            "precision",
+            values["precision"] in PRECISIONS,
+            f"{values['precision']!r} is not one of {', '.join(PRECISIONS)}",
+        ),
         ("min_learning_rate", _finite_at_least(values["min_learning_rate"], 0), "must be a non-negative number"),
         ("weight_decay", _finite_at_least(values["weight_decay"], 0), "must be a non-negative number"),
         ("min_learning_rate", values["min_learning_rate"] <= values["learning_rate"], "must not exceed learning_rate"),
@@ -286,6 +296,12 @@ def training_problem(values: Mapping[str, Any]) -> tuple[str, str] | None:
             "must lie in [0, 1)",
         ),
         ("clip_grad", _finite_at_least(values["clip_grad"], 0), "must be a non-negative number (0: no clipping)"),
+        (
+            "optimizer",
+            not (values["distributed_optimizer"] and values["optimizer"] != "adam"),
+            f"{values['optimizer']!r} cannot run under distributed_optimizer: Megatron-Core's distributed"
+            " optimizer keeps and saves Adam's state only",
+        ),
     ]
     decay = values["lr_decay_iterations"] or values["iterations"]
     style = values["lr_decay_style"]
@@ -359,6 +375,29 @@ def data_parallel_degrees(spec: common_pb2.JobSpec) -> list[int]:
 
 # fp32 parameters, gradients and Adam's two moments.
 STATE_BYTES_PER_PARAMETER = 16
+_PARAMETER_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def state_bytes_per_parameter(training: common_pb2.TrainingSpec, data_parallel: int = 1) -> float:
+    """A rank's state per model parameter of its slice in the job's layout: its parameters in
+    the job's precision, gradients reduced in fp32 (4), the optimizer's fp32 main copy where
+    the parameters are low precision (4), and the optimizer's moments (Adam 8; SGD 4 with
+    momentum, 0 without). fp32 Adam: 16; bf16 Adam: 18. Under the distributed optimizer the
+    main copy and the moments are sharded over the ``data_parallel`` ranks: bf16 Adam at DP 8
+    holds 2 + 4 + 12/8 = 7.5."""
+    precision = training.precision or OPTIMIZER_DEFAULTS["precision"]
+    main = 0 if precision == "fp32" else 4
+    if (training.optimizer or "adam") == "sgd":
+        momentum = training.sgd_momentum if training.HasField("sgd_momentum") else OPTIMIZER_DEFAULTS["sgd_momentum"]
+        moments = 4 if momentum else 0
+    else:
+        moments = 8
+    sharded: float = main + moments
+    if training.distributed_optimizer:
+        sharded /= max(1, data_parallel)
+    return _PARAMETER_BYTES.get(precision, 4) + 4 + sharded
+
+
 # How fast a rank that joins a job fetches its state: from a live data-parallel peer holding
 # the same (tensor, pipeline) shard, every shard at once, each over one GPU's NIC (400 Gb/s).
 STATE_TRANSFER_BYTES_PER_S = 50e9

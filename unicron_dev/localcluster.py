@@ -44,7 +44,7 @@ def gpt_program(
     num_attention_heads: int = 4,
     seq_length: int = 32,
     vocab_size: int = 128,
-    **extra: int,
+    **extra: float,
 ) -> dict[str, object]:
     """The job spec's ``program`` for the GPT example (examples/gpt) of this shape."""
     shape = {
@@ -59,14 +59,19 @@ def gpt_program(
     return {"entry_point": GPT_ENTRY_POINT, "args": args}
 
 
-def tiny_gpt(name: str, data: int = 2, iterations: int = 100_000, seed: int = 3) -> common_pb2.JobSpec:
+def tiny_gpt(
+    name: str, data: int = 2, iterations: int = 100_000, seed: int = 3, dropout: float = 0.0
+) -> common_pb2.JobSpec:
     """A GPT small enough for 0.05-0.1 s iterations on a CPU core: what end-to-end tests and
-    benchmarks run on a local cluster (defaults filled, validated)."""
+    benchmarks run on a local cluster (defaults filled, validated). Without dropout by default:
+    the cluster tests compare a job that shrank with a failure-free run at its first size within
+    1e-6, which a resize keeps only without dropout (tests/trainer/test_exactness.py measures
+    the bound with it)."""
     return jobspec.normalized(
         jobspec.spec_from_dict(
             {
                 "name": name,
-                "program": gpt_program(),
+                "program": gpt_program(hidden_dropout=dropout, attention_dropout=dropout),
                 "parallelism": {"data": data},
                 "training": {"iterations": iterations, "global_batch_size": 8, "micro_batch_size": 2, "seed": seed},
             }

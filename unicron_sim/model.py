@@ -15,11 +15,12 @@ Every job is also a job a user could submit: ``JobModel.spec`` is its JobSpec, a
 a job it refuses is an ``InvalidArgument``, before anything is simulated.
 
 State. A rank holds its (tensor, pipeline) shard of the parameters and the optimizer state:
-``parameters / (TP x PP) x 16`` bytes (``jobspec.STATE_BYTES_PER_PARAMETER``: mixed-precision
-Adam keeps bf16 parameters and gradients, 2 + 2 bytes, and fp32 master parameters and two
-moments, 4 + 4 + 4; Rajbhandari et al., "ZeRO", 2020, sec. 3.1). Megatron's distributed
-optimizer would shard the 12 fp32 bytes over the data-parallel ranks too; this model does not,
-which overstates what a transition moves (it errs against Unicron's transitions).
+``parameters / (TP x PP) x b`` bytes, ``b`` from the job's precision and optimizer
+(``jobspec.state_bytes_per_parameter``: 16 for fp32 Adam; 18 for bf16 Adam, whose bf16
+parameters, fp32 gradients, fp32 main parameters and two moments take 2 + 4 + 4 + 8). Under
+Megatron's distributed optimizer (``training.distributed_optimizer``) the main parameters and
+moments are sharded over the data-parallel ranks too, so ``b`` depends on the size the job
+runs at (``state_bytes_per_rank(gpus)``).
 
 Throughput profile. T(x) for every allowed size comes from the planner's own estimate
 (``services.planner.domain.ThroughputEstimate``: 6 x parameters x tokens per step, 40% MFU on
@@ -148,14 +149,15 @@ class JobModel:
         """Seconds per optimizer step at size x (the hang detector's scale)."""
         return 6.0 * self.parameters * self.global_batch * SEQ_LENGTH / self.flops(gpus)
 
-    @property
-    def state_bytes(self) -> float:
-        return self.parameters * jobspec.STATE_BYTES_PER_PARAMETER
+    @cached_property
+    def _training(self) -> pb.TrainingSpec:
+        return self.spec().training
 
-    @property
-    def state_bytes_per_rank(self) -> float:
-        """One rank's shard of the state (module docstring: State)."""
-        return self.state_bytes / (self.tensor * self.pipeline)
+    def state_bytes_per_rank(self, gpus: int) -> float:
+        """One rank's shard of the state at size ``gpus`` (module docstring: State)."""
+        unit = self.tensor * self.pipeline
+        per_parameter = jobspec.state_bytes_per_parameter(self._training, max(1, gpus // unit))
+        return self.parameters * per_parameter / unit
 
     @cached_property
     def checkpoint_interval(self) -> int:

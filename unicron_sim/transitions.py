@@ -66,7 +66,7 @@ def seconds(job: JobModel, kind: str, gpus: int, fit: TransitionFit, model_paral
         return 0.0
     chosen = action(job, kind, gpus, model_parallel_reform)
     world = gpus  # one rank per GPU
-    moved = fit.seconds(chosen, job.state_bytes_per_rank, world)
+    moved = fit.seconds(chosen, job.state_bytes_per_rank(gpus), world)
     return moved + lost_iterations(job, chosen) * job.iteration_s(gpus)
 
 

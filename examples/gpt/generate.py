@@ -38,7 +38,7 @@ def generate(checkpoint_root: str, model: ModelConfig, tokenizer_path: str, prom
                 parallel_state.initialize_model_parallel(1, 1)
                 tensor_parallel.model_parallel_cuda_manual_seed(0)
                 gpt = model_provider(model)(True, True)
-                layout = checkpoint.layout_of_config(model.as_dict(), 1, 1)
+                layout = checkpoint.layout_of_config(model.shape(), 1, 1)
                 found = checkpoint.find_latest(checkpoint_root, layout, 0, 0)
                 if found is None:
                     raise ValueError(f"no usable checkpoint under {checkpoint_root}")

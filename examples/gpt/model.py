@@ -29,6 +29,13 @@ class ModelConfig:
     seq_length: int = 32
     vocab_size: int = 128
     ffn_hidden_size: int = 0
+    # Megatron's defaults. Masks are drawn from generators the trainer library seeds per
+    # micro-batch from the samples it holds, so every remedy stays exact with dropout on.
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    # Megatron's sequence parallelism (needs tensor parallelism): layer norms and dropout on
+    # each TP rank's slice of the sequence.
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
@@ -43,13 +50,21 @@ class ModelConfig:
             )
         if self.ffn_hidden_size < 0:
             raise ValueError(f"ffn_hidden_size must not be negative, got {self.ffn_hidden_size}")
+        for name in ("hidden_dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must lie in [0, 1), got {getattr(self, name)}")
 
     @property
     def ffn_size(self) -> int:
         return self.ffn_hidden_size or 4 * self.hidden_size
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, float]:
         return asdict(self)
+
+    def shape(self) -> dict[str, int]:
+        """What a checkpoint of this model must match: its shape (dropout and sequence
+        parallelism are not part of it)."""
+        return {k: v for k, v in asdict(self).items() if not k.endswith("_dropout") and k != "sequence_parallel"}
 
     def parameters(self) -> float:
         """Parameter count (bias-free linear layers with a 4h FFN, two layer norms per layer and a
@@ -78,8 +93,14 @@ def check_split(model: ModelConfig, tensor_parallel: int, pipeline_parallel: int
         )
 
 
-def model_provider(model: ModelConfig) -> Callable[[bool, bool], GPTModel]:
-    """Megatron's model provider for ``model``: this rank's (TP, PP) slice of the GPT."""
+# Megatron-LM's --bf16 / --fp16: the TransformerConfig's flags and the parameters' dtype.
+PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def model_provider(model: ModelConfig, precision: str = "fp32") -> Callable[[bool, bool], GPTModel]:
+    """Megatron's model provider for ``model``: this rank's (TP, PP) slice of the GPT, in
+    ``precision`` (fp32, bf16 or fp16)."""
+    dtype = PRECISION_DTYPES[precision]
 
     def provide(pre_process: bool, post_process: bool) -> GPTModel:
         tp = parallel_state.get_tensor_model_parallel_world_size()
@@ -92,12 +113,13 @@ def model_provider(model: ModelConfig) -> Callable[[bool, bool], GPTModel]:
             ffn_hidden_size=model.ffn_size,
             tensor_model_parallel_size=tp,
             pipeline_model_parallel_size=pp,
-            # Dropout would draw different masks for a sample depending on which rank holds it,
-            # breaking the equality of updates across DP degrees.
-            hidden_dropout=0.0,
-            attention_dropout=0.0,
-            params_dtype=torch.float32,
-            pipeline_dtype=torch.float32,
+            hidden_dropout=model.hidden_dropout,
+            attention_dropout=model.attention_dropout,
+            sequence_parallel=model.sequence_parallel,
+            bf16=precision == "bf16",
+            fp16=precision == "fp16",
+            params_dtype=dtype,
+            pipeline_dtype=dtype,
             # No biases in the linear layers (as in LLaMA and PaLM): the attention's key bias has
             # no gradient at all (softmax ignores a shift), so Adam would turn its rounding noise
             # into lr-sized steps, and runs under different DP degrees would drift apart there.

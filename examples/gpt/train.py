@@ -27,6 +27,15 @@ def parse(argv: list[str]) -> argparse.Namespace:
     shape.add_argument("--seq-length", type=int, default=32, help="tokens per sample (default 32)")
     shape.add_argument("--vocab-size", type=int, default=128, help="model vocabulary (default 128)")
     shape.add_argument("--ffn-hidden-size", type=int, default=0, help="MLP width (default 0: 4 x hidden)")
+    shape.add_argument(
+        "--hidden-dropout", type=float, default=0.1, help="dropout after attention and MLP (default 0.1, Megatron's)"
+    )
+    shape.add_argument(
+        "--attention-dropout", type=float, default=0.1, help="dropout of attention weights (default 0.1, Megatron's)"
+    )
+    shape.add_argument(
+        "--sequence-parallel", action="store_true", help="Megatron's sequence parallelism (needs TP > 1; default off)"
+    )
     local = parser.add_argument_group("without Unicron (under Unicron the job spec's settings apply)")
     local.add_argument("--iterations", type=int, default=30, help="optimizer iterations (default 30)")
     local.add_argument("--global-batch-size", type=int, default=16, help="samples per iteration (default 16)")
@@ -38,6 +47,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     local.add_argument("--data", default="", help="data prefix (.bin/.idx) from examples.gpt.data; default synthetic")
     local.add_argument("--tokenizer", default="", help="tokenizer.json (default: beside the data)")
     local.add_argument("--checkpoint-dir", default="", help="persistent checkpoints here (default none)")
+    local.add_argument("--precision", default="fp32", help="fp32, bf16 or fp16 (default fp32)")
     return parser.parse_args(argv)
 
 
@@ -52,12 +62,18 @@ def model_of(args: argparse.Namespace) -> Any:
         seq_length=args.seq_length,
         vocab_size=args.vocab_size,
         ffn_hidden_size=args.ffn_hidden_size,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        sequence_parallel=args.sequence_parallel,
     )
 
 
-def program(model: Any, seed: int, data_path: str = "", tokenizer: str = "") -> MegatronProgram:
+def program(
+    model: Any, seed: int, data_path: str = "", tokenizer: str = "", precision: str = "fp32"
+) -> MegatronProgram:
     """The GPT as a Megatron-Core program: real text from ``data_path`` (a prefix made by
-    examples.gpt.data), or synthetic sequences without one."""
+    examples.gpt.data), or synthetic sequences without one; its TransformerConfig in
+    ``precision`` (the job's training.precision)."""
     from examples.gpt.model import SyntheticData, forward_step, model_provider
 
     def dataset_provider(num_samples: int) -> Any:
@@ -69,11 +85,11 @@ def program(model: Any, seed: int, data_path: str = "", tokenizer: str = "") -> 
         return data.load(data_path, tokenizer_path, model.seq_length, num_samples, seed, model.vocab_size)
 
     return MegatronProgram(
-        model_provider(model),
+        model_provider(model, precision),
         dataset_provider,
         forward_step,
         seq_length=model.seq_length,
-        description=model.as_dict(),
+        description=model.shape(),
         flops_per_token=model.flops_per_token(),
     )
 
@@ -89,13 +105,15 @@ def main(argv: list[str] | None = None) -> None:
         tensor_parallel=args.tensor_parallel,
         pipeline_parallel=args.pipeline_parallel,
         checkpoint_interval=10 if args.checkpoint_dir else 0,
+        precision=args.precision,
     )
     ctx = context()
     if ctx.under_unicron:
-        data_path, tokenizer, seed = ctx.data_path, ctx.tokenizer, (ctx.training or training).seed
+        data_path, tokenizer, settings = ctx.data_path, ctx.tokenizer, ctx.training or training
     else:
-        data_path, tokenizer, seed = args.data, args.tokenizer, training.seed
-    train_program(program(model_of(args), seed, data_path, tokenizer), training, checkpoint_dir=args.checkpoint_dir)
+        data_path, tokenizer, settings = args.data, args.tokenizer, training
+    gpt = program(model_of(args), settings.seed, data_path, tokenizer, settings.precision)
+    train_program(gpt, training, checkpoint_dir=args.checkpoint_dir)
 
 
 if __name__ == "__main__":

@@ -118,9 +118,14 @@ def plan_request(
             plan_job.estimate.parameters = parameters
             plan_job.estimate.tokens_per_step = tokens_per_step
         # A joining rank fetches its own shard of the state from a live peer, all shards in
-        # parallel: the bytes on one link are the job's state over TP x PP.
+        # parallel: the bytes on one link are the job's state over TP x PP (the optimizer's
+        # part over DP too, under the distributed optimizer: at the job's current degree, or
+        # its smallest before it runs).
         shards = max(1, par.tensor) * max(1, par.pipeline)
-        plan_job.transition.state_bytes = parameters * jobspec.STATE_BYTES_PER_PARAMETER / shards
+        running = sum(slots_by_node(job).values()) // shards if job.state in state.ACTIVE else 0
+        data_parallel = max(1, running or par.min_data)
+        per_parameter = jobspec.state_bytes_per_parameter(job.spec.training, data_parallel)
+        plan_job.transition.state_bytes = parameters * per_parameter / shards
         plan_job.transition.bandwidth_bytes_per_second = jobspec.STATE_TRANSFER_BYTES_PER_S
         if job.state in state.ACTIVE:
             for node_id, count in slots_by_node(job).items():

@@ -244,7 +244,7 @@ def test_checkpoint_of_dp2_resumes_on_dp1(world1: None, tmp_path: Path) -> None:
     for i, (got, want) in enumerate(zip(losses, straight_losses, strict=True)):
         assert math.isclose(got, want, rel_tol=1e-5), f"iteration {i + 1}: loss {got} != {want}"
     assert checkpoint.list_complete(root) == [6, 3]
-    found = checkpoint.find_latest(root, checkpoint.layout_of_config(MODEL.as_dict(), 1, 1))
+    found = checkpoint.find_latest(root, checkpoint.layout_of_config(MODEL.shape(), 1, 1))
     assert found is not None and found[0] == 6
     # DP 2 then DP 1 against DP 1 throughout: equal up to float rounding.
     assert_same_params(found[1]["model"], straight_params)

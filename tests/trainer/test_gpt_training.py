@@ -13,6 +13,7 @@ import math
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,10 @@ from unicron.trainer.program import ProgramError, Training
 
 # Workers get this on PYTHONPATH so `services` imports whatever the caller's cwd.
 REPO_ROOT = Path(__file__).resolve().parents[2]
-MODEL = ModelConfig()
+# Without dropout: these runs are compared across tensor-parallel degrees, and a TP rank draws
+# the attention's masks for its own heads from its own stream (Megatron's tracker), so the
+# masks themselves depend on the TP degree. Remedies never change TP (test_exactness.py).
+MODEL = ModelConfig(hidden_dropout=0.0, attention_dropout=0.0)
 # A higher lr than the default so the loss falls well within the step budget.
 TRAIN = TrainConfig(global_batch_size=8, micro_batch_size=1, lr=5e-3, seed=1234)
 STEPS = 25
@@ -48,9 +52,14 @@ def _worker(rank: int, store: str, out: str) -> None:
     try:
         # One process group, several trainers in turn: also covers close() and rebuilding.
         losses = {name: [r.loss for r in _train(LAYOUT_STEPS[name], tp, pp)] for name, (tp, pp) in LAYOUTS.items()}
+        try:
+            gpt_trainer(replace(MODEL, sequence_parallel=True), TRAIN, 2, 1).close()
+            refused = ""
+        except ProgramError as exc:
+            refused = str(exc)
     finally:
         dist.destroy_process_group()
-    Path(out).write_text(json.dumps(losses))
+    Path(out).write_text(json.dumps({**losses, "tp2sp_refused": refused}))
 
 
 @pytest.fixture(scope="module")
@@ -158,6 +167,18 @@ def test_layout_must_fit_world(tmp_path: Path) -> None:
             gpt_trainer(MODEL, TRAIN, tensor_parallel=2)
     finally:
         dist.destroy_process_group()
+
+
+def test_sequence_parallel_without_fused_norms_fails_at_start_as_the_programs_error(
+    two_process_losses: list[dict[str, Any]],
+) -> None:
+    # Megatron-Core's sequence parallelism needs Transformer Engine's or Apex's layer norm; the
+    # local layer spec's torch LayerNorm refuses it. Without them (every CPU machine) a program
+    # asking for it fails once, at its model provider, naming the reason.
+    for rank in two_process_losses:
+        assert rank["tp2sp_refused"].startswith(
+            "model_provider raised AssertionError: sequence parallel not supported by torch LayerNorm"
+        ), rank["tp2sp_refused"]
 
 
 if __name__ == "__main__":

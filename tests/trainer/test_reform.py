@@ -275,7 +275,7 @@ def _compare_with_reference(
     for i, want in enumerate(want_losses, start=1):
         assert math.isclose(losses[i], want, rel_tol=1e-5), f"iteration {i}: loss {losses[i]} != {want}"
     found = checkpoint.find_latest(
-        root, checkpoint.layout_of_config(trainer_configs(spec)[0].as_dict(), tensor_parallel, 1)
+        root, checkpoint.layout_of_config(trainer_configs(spec)[0].shape(), tensor_parallel, 1)
     )
     assert found is not None and found[0] == spec.training.iterations
     assert_same_params(found[1]["model"], want_params)

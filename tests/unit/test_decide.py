@@ -342,3 +342,30 @@ def test_hit_jobs_may_pause_when_no_plan_keeps_them_running() -> None:
     assert not request.jobs[0].preemptible  # the original request is left as it was
     del request.jobs[0]
     assert decide.hit_jobs_may_pause(request) is None  # nothing to relax: the answer stands
+
+
+@pytest.mark.parametrize(
+    ("precision", "optimizer", "per_parameter"),
+    [("", "", 16), ("fp32", "adam", 16), ("bf16", "adam", 18), ("fp16", "adam", 18), ("bf16", "sgd", 14)],
+)
+def test_state_bytes_follow_the_jobs_precision_and_optimizer(
+    precision: str, optimizer: str, per_parameter: int
+) -> None:
+    job = common_pb2.Job(job_id="j", spec=spec(), state=state.PENDING)
+    job.spec.training.precision, job.spec.training.optimizer = precision, optimizer
+    job.spec.estimate.parameters, job.spec.estimate.tokens_per_step = 1e6, 512
+    (plan_job,) = decide.plan_request([job], [node("a", 0)], 1e-6, 1.0).jobs
+    assert plan_job.transition.state_bytes == pytest.approx(1e6 * per_parameter)
+
+
+@pytest.mark.parametrize(("precision", "min_data", "per_parameter"), [("bf16", 1, 18), ("bf16", 4, 9), ("fp32", 2, 12)])
+def test_distributed_optimizer_state_bytes_are_sharded_over_data_parallel(
+    precision: str, min_data: int, per_parameter: float
+) -> None:
+    job = common_pb2.Job(job_id="j", spec=spec(), state=state.PENDING)
+    job.spec.training.precision, job.spec.training.distributed_optimizer = precision, True
+    job.spec.parallelism.min_data, job.spec.parallelism.max_data = min_data, max(min_data, 4)
+    job.spec.estimate.parameters, job.spec.estimate.tokens_per_step = 1e6, 512
+    (plan_job,) = decide.plan_request([job], [node("a", 0)], 1e-6, 1.0).jobs
+    # bf16: parameters 2 + gradients 4 + (main 4 + moments 8) / DP; fp32: 4 + 4 + 8 / DP.
+    assert plan_job.transition.state_bytes == pytest.approx(1e6 * per_parameter)

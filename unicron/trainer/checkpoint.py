@@ -5,6 +5,8 @@ Layout under the job's checkpoint directory (shared by all of the job's ranks)::
 
     <root>/iter_00000030/tp0_pp0.pt       one shard per (tensor, pipeline) slice: torch.save of
     <root>/iter_00000030/tp1_pp0.pt       {format, iteration, tp_rank, pp_rank, layout, model, optimizer}
+    <root>/iter_00000030/tp0_pp0_dp1.pt   under the distributed optimizer: each data-parallel
+                                          rank's optimizer shard ({optimizer_shard: pieces})
     <root>/iter_00000030/manifest.json    written last; its presence makes the checkpoint complete
 
 The manifest names the iteration, the model's shape and TP/PP (``layout``) and the sha256 and
@@ -25,6 +27,13 @@ shared file system lags. For each candidate every rank checks the manifest again
 rank wins; a bad one is logged and the next older one tried; with none left the job starts
 fresh. Nothing here raises on a bad copy, so a corrupt checkpoint never turns into a crash
 loop. A shard holds no data-parallel state, so the DP degree may differ between save and load.
+
+Under Megatron's distributed optimizer the optimizer state is not replicated: the slice file
+holds the model, the optimizer's parameter groups and the rest, and every data-parallel rank
+writes its own optimizer shard beside it (``tp{t}_pp{p}_dp{d}.pt``; the manifest records each,
+and ``optimizer_data_parallel``, the degree they were taken at). A rank restoring reads its
+slice and every shard of it and cuts its own ranges from them (``optimizer_shards``), so such a
+checkpoint loads at any data-parallel degree too.
 """
 
 from __future__ import annotations
@@ -45,6 +54,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from unicron.trainer.optimizer_shards import SHARD_KEY, SHARDS_KEY, data_parallel_of, ranges_of, shards_of
+from unicron.trainer.optimizer_shards import missing as missing_ranges
+
 if TYPE_CHECKING:
     from unicron.trainer.protocol import Trainer
 
@@ -61,8 +73,9 @@ OWNER_MARK = ".unicron-checkpoint"
 KEEP = 2
 SOURCE_CHECKPOINT = "checkpoint"
 SOURCE_FRESH = "fresh"
-# What every state copy (checkpoint, snapshot, peer transfer) carries besides the iteration.
-STATE_KEYS = ("model", "optimizer", "scheduler", "rng")
+# What every state copy (checkpoint, snapshot, peer transfer) carries besides the iteration:
+# the optimizer shard(s) only under the distributed optimizer.
+STATE_KEYS = ("model", "optimizer", "scheduler", "rng", SHARD_KEY, SHARDS_KEY)
 
 _DIR_RE = re.compile(r"^iter_(\d+)$")
 
@@ -104,6 +117,15 @@ class ShardRecord:
     file: str
     sha256: str
     size: int
+    # A distributed optimizer's shard of the slice: its data-parallel rank and degree (None:
+    # the slice's own file).
+    dp_rank: int | None = None
+    dp_size: int = 0
+
+    @property
+    def key(self) -> str:
+        slice_key = f"tp{self.tp_rank}_pp{self.pp_rank}"
+        return slice_key if self.dp_rank is None else f"{slice_key}_dp{self.dp_rank}"
 
 
 @dataclass(frozen=True)
@@ -118,8 +140,8 @@ def iteration_dir(root: str | Path, iteration: int) -> Path:
     return Path(root) / f"iter_{iteration:08d}"
 
 
-def shard_file(tp_rank: int, pp_rank: int) -> str:
-    return f"tp{tp_rank}_pp{pp_rank}.pt"
+def shard_file(tp_rank: int, pp_rank: int, dp_rank: int | None = None) -> str:
+    return f"tp{tp_rank}_pp{pp_rank}.pt" if dp_rank is None else f"tp{tp_rank}_pp{pp_rank}_dp{dp_rank}.pt"
 
 
 def _fsync_dir(path: Path) -> None:
@@ -148,9 +170,17 @@ def _atomic_write(path: Path, data: bytes) -> None:
     _fsync_dir(path.parent)
 
 
-def write_shard(root: str | Path, iteration: int, tp_rank: int, pp_rank: int, state: dict[str, Any]) -> ShardRecord:
+def write_shard(
+    root: str | Path,
+    iteration: int,
+    tp_rank: int,
+    pp_rank: int,
+    state: dict[str, Any],
+    data_parallel: tuple[int, int] | None = None,
+) -> ShardRecord:
     """Durably writes one shard (``state`` holds ``model`` and ``optimizer``, plus anything
-    else worth keeping) and returns what the manifest records of it."""
+    else worth keeping; or, with ``data_parallel`` = (rank, degree), one data-parallel rank's
+    optimizer shard) and returns what the manifest records of it."""
     directory = iteration_dir(root, iteration)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / OWNER_MARK).touch()
@@ -158,27 +188,36 @@ def write_shard(root: str | Path, iteration: int, tp_rank: int, pp_rank: int, st
     buffer = io.BytesIO()
     torch.save(payload, buffer)
     data = buffer.getvalue()
-    name = shard_file(tp_rank, pp_rank)
+    dp_rank, dp_size = data_parallel if data_parallel is not None else (None, 0)
+    name = shard_file(tp_rank, pp_rank, dp_rank)
     _atomic_write(directory / name, data)
-    return ShardRecord(tp_rank, pp_rank, name, hashlib.sha256(data).hexdigest(), len(data))
+    return ShardRecord(tp_rank, pp_rank, name, hashlib.sha256(data).hexdigest(), len(data), dp_rank, dp_size)
 
 
 def write_manifest(root: str | Path, iteration: int, layout: Layout, shards: list[ShardRecord]) -> Path:
     """Marks checkpoint ``iteration`` complete. Call only once every shard is durable."""
     expected = {(t, p) for t in range(layout.tensor_parallel) for p in range(layout.pipeline_parallel)}
-    got = {(s.tp_rank, s.pp_rank) for s in shards}
-    if got != expected or len(shards) != len(expected):
+    slices = [s for s in shards if s.dp_rank is None]
+    got = {(s.tp_rank, s.pp_rank) for s in slices}
+    if got != expected or len(slices) != len(expected):
         raise CheckpointError(f"iteration {iteration}: shards {sorted(got)} do not cover TPxPP {sorted(expected)}")
+    optimizer = [s for s in shards if s.dp_rank is not None]
+    degree = max((s.dp_size for s in optimizer), default=0)
+    wanted = {(t, p, d) for t, p in expected for d in range(degree)}
+    if {(s.tp_rank, s.pp_rank, s.dp_rank) for s in optimizer} != wanted or len(optimizer) != len(wanted):
+        raise CheckpointError(f"iteration {iteration}: optimizer shards do not cover TPxPPxDP (DP {degree})")
     manifest = {
         "format": FORMAT,
         "iteration": iteration,
         "layout": layout.as_dict(),
         "shards": {
-            f"tp{s.tp_rank}_pp{s.pp_rank}": {"file": s.file, "sha256": s.sha256, "size": s.size}
-            for s in sorted(shards, key=lambda s: (s.tp_rank, s.pp_rank))
+            s.key: {"file": s.file, "sha256": s.sha256, "size": s.size}
+            for s in sorted(shards, key=lambda s: (s.tp_rank, s.pp_rank, -1 if s.dp_rank is None else s.dp_rank))
         },
         "saved_at": time.time(),
     }
+    if degree:
+        manifest["optimizer_data_parallel"] = degree
     path = iteration_dir(root, iteration) / MANIFEST
     _atomic_write(path, json.dumps(manifest, indent=1, sort_keys=True).encode())
     return path
@@ -226,9 +265,33 @@ def read_shard(root: str | Path, iteration: int, layout: Layout, tp_rank: int, p
     saved = manifest.get("layout")
     if saved != layout.as_dict():
         raise CheckpointError(f"saved for another model or split: checkpoint {saved}, this job {layout.as_dict()}")
-    entry = manifest.get("shards", {}).get(f"tp{tp_rank}_pp{pp_rank}")
+    payload = _read_file(root, iteration, manifest, shard_file(tp_rank, pp_rank))
+    if "model" not in payload or "optimizer" not in payload:
+        raise CheckpointError(f"shard {shard_file(tp_rank, pp_rank)} holds no model and optimizer state")
+    if (payload.get("iteration"), payload.get("tp_rank"), payload.get("pp_rank")) != (iteration, tp_rank, pp_rank):
+        raise CheckpointError(
+            f"shard {shard_file(tp_rank, pp_rank)} is of iteration {payload.get('iteration')} "
+            f"tp{payload.get('tp_rank')}_pp{payload.get('pp_rank')}"
+        )
+    degree = manifest.get("optimizer_data_parallel", 0)
+    if degree:
+        # Every data-parallel rank's shard of this slice: this rank's ranges under the
+        # current degree may lie in any of them.
+        shards = []
+        for dp_rank in range(int(degree)):
+            part = _read_file(root, iteration, manifest, shard_file(tp_rank, pp_rank, dp_rank))
+            if not isinstance(part.get(SHARD_KEY), dict) or data_parallel_of(part[SHARD_KEY]) != (dp_rank, degree):
+                raise CheckpointError(f"{shard_file(tp_rank, pp_rank, dp_rank)} holds no optimizer shard {dp_rank}")
+            shards.append(part[SHARD_KEY])
+        payload[SHARDS_KEY] = shards
+    return payload
+
+
+def _read_file(root: str | Path, iteration: int, manifest: dict[str, Any], file: str) -> dict[str, Any]:
+    """One file of checkpoint ``iteration``, checked against its manifest entry and decoded."""
+    entry = manifest.get("shards", {}).get(file.removesuffix(".pt"))
     if not isinstance(entry, dict):
-        raise CheckpointError(f"the manifest lists no shard tp{tp_rank}_pp{pp_rank}")
+        raise CheckpointError(f"the manifest lists no shard {file.removesuffix('.pt')}")
     path = iteration_dir(root, iteration) / str(entry.get("file"))
     try:
         data = path.read_bytes()
@@ -244,13 +307,8 @@ def read_shard(root: str | Path, iteration: int, layout: Layout, tp_rank: int, p
         payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any decoding failure makes the shard unusable
         raise CheckpointError(f"shard {path.name} cannot be decoded: {exc}") from None
-    if not isinstance(payload, dict) or "model" not in payload or "optimizer" not in payload:
-        raise CheckpointError(f"shard {path.name} holds no model and optimizer state")
-    if (payload.get("iteration"), payload.get("tp_rank"), payload.get("pp_rank")) != (iteration, tp_rank, pp_rank):
-        raise CheckpointError(
-            f"shard {path.name} is of iteration {payload.get('iteration')} "
-            f"tp{payload.get('tp_rank')}_pp{payload.get('pp_rank')}"
-        )
+    if not isinstance(payload, dict):
+        raise CheckpointError(f"shard {path.name} holds no state")
     return payload
 
 
@@ -340,25 +398,25 @@ def save(trainer: Trainer, root: str | Path) -> str:
     done), else why not. A failure to write is logged, never raised: training goes on."""
     iteration = trainer.iteration
     tp_rank, pp_rank = trainer.shard
-    record: ShardRecord | str | None = None
-    if trainer.data_parallel_rank == 0:
-        try:
-            state = trainer.state_dict()
-            record = write_shard(
-                root,
-                iteration,
-                tp_rank,
-                pp_rank,
-                {**state_parts(state), "layout": layout_of(trainer).as_dict()},
-            )
-        except Exception as exc:  # noqa: BLE001 - reported through the gather, then logged
-            record = f"rank {dist.get_rank()} could not write tp{tp_rank}_pp{pp_rank}: {exc}"
-    gathered: list[ShardRecord | str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, record)
+    records: list[ShardRecord | str] = []
+    try:
+        state = trainer.state_dict()
+        own = state.get(SHARD_KEY)
+        if trainer.data_parallel_rank == 0:
+            whole = {**state_parts(state), "layout": layout_of(trainer).as_dict()}
+            whole.pop(SHARD_KEY, None)  # written on its own, as every other rank's
+            records.append(write_shard(root, iteration, tp_rank, pp_rank, whole))
+        if own is not None:
+            records.append(write_shard(root, iteration, tp_rank, pp_rank, {SHARD_KEY: own}, data_parallel_of(own)))
+    except Exception as exc:  # noqa: BLE001 - reported through the gather, then logged
+        records.append(f"rank {dist.get_rank()} could not write tp{tp_rank}_pp{pp_rank}: {exc}")
+    gathered: list[list[ShardRecord | str]] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(gathered, records)
+    mine = [r for r in records if isinstance(r, str)]
     if dist.get_rank() != 0:
-        return record if isinstance(record, str) else ""
-    errors = [g for g in gathered if isinstance(g, str)]
-    shards = [g for g in gathered if isinstance(g, ShardRecord)]
+        return mine[0] if mine else ""
+    errors = [g for rank_records in gathered for g in rank_records if isinstance(g, str)]
+    shards = [g for rank_records in gathered for g in rank_records if isinstance(g, ShardRecord)]
     try:
         if errors:
             raise CheckpointError("; ".join(errors))
@@ -383,7 +441,9 @@ def state_parts(state: dict[str, Any]) -> dict[str, Any]:
 def fits(current: dict[str, Any]) -> Callable[[dict[str, Any]], None]:
     """A check that a shard's state has exactly this rank's parameter names and shapes."""
     model = {k: tuple(v.shape) for k, v in current["model"].items() if isinstance(v, torch.Tensor)}
-    groups = [len(g["params"]) for g in current["optimizer"].get("param_groups", [])]
+    shard = current.get(SHARD_KEY)
+    # A distributed optimizer's groups name no parameters: its shard says what it holds.
+    groups = [] if shard is not None else [len(g["params"]) for g in current["optimizer"].get("param_groups", [])]
 
     def check(payload: dict[str, Any]) -> None:
         saved = payload["model"]
@@ -396,11 +456,26 @@ def fits(current: dict[str, Any]) -> Callable[[dict[str, Any]], None]:
         optimizer = payload["optimizer"]
         if not isinstance(optimizer, dict):
             raise CheckpointError("optimizer state is not a mapping")
-        saved_groups = [len(g["params"]) for g in optimizer.get("param_groups", [])]
-        if sorted(saved_groups) != sorted(groups):
-            raise CheckpointError(f"optimizer state has parameter groups {saved_groups}, this rank {groups}")
+        _check_shards(shard, shards_of(payload))
+        if shard is None:
+            saved_groups = [len(g.get("params", [])) for g in optimizer.get("param_groups", [])]
+            if sorted(saved_groups) != sorted(groups):
+                raise CheckpointError(f"optimizer state has parameter groups {saved_groups}, this rank {groups}")
 
     return check
+
+
+def _check_shards(shard: dict[str, Any] | None, saved: list[dict[str, Any]]) -> None:
+    """That a state copy carries this rank's optimizer shard (``shard``: the ranges it owns,
+    None under a replicated optimizer)."""
+    if shard is None and saved:
+        raise CheckpointError("the state is of a distributed optimizer, this job's optimizer is replicated")
+    if shard is not None and not saved:
+        raise CheckpointError("the state is of a replicated optimizer, this job's is distributed")
+    if shard is not None:
+        problems = missing_ranges(saved, ranges_of(shard))
+        if problems:
+            raise CheckpointError(f"the optimizer shards miss part of this rank's: {problems[0]}")
 
 
 def restore(trainer: Trainer, root: str | Path) -> Restored:

@@ -38,14 +38,14 @@ from unicron.trainer.program import MegatronProgram, ProgramError, Training, col
 # isort: split
 # Megatron is imported after the shim so the shim's warning filters see its import-time warnings.
 from megatron.core import parallel_state, tensor_parallel
-from megatron.core.distributed import (
-    DistributedDataParallel,
-    DistributedDataParallelConfig,
-    finalize_model_grads,
-)
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.module import Float16Module
+
+from unicron.trainer import distributed_optimizer
+from unicron.trainer.megatron_settings import ddp_config, keyed_seed, optimizer_config, param_scheduler
+from unicron.trainer.optimizer_shards import SHARD_KEY
 
 LossOutput = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
 
@@ -120,8 +120,17 @@ class MegatronTrainer:
         self.keep_local_grads = not training.overlap_grad_reduce
         self._local_grads: list[torch.Tensor] | None = None
         self._step_losses: list[torch.Tensor] = []
+        self._forward_passes = 0  # of the step in progress
+        self._skipped_steps = 0  # fp16 steps skipped for overflowing gradients, in this process
+        self._last_update: tuple[bool, float | None] = (True, None)
         with cpu_mode(device):
-            self._build()
+            try:
+                self._build()
+            except BaseException:
+                # A program's error (a model of another split or precision) leaves no Megatron
+                # state behind: the process may build a trainer again.
+                parallel_state.destroy_model_parallel()
+                raise
 
     def _build(self) -> None:
         t = self.training
@@ -136,48 +145,22 @@ class MegatronTrainer:
         module = self.program.build_model(
             parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
         )
-        config = self.program.check_model(module, self._tp, self._pp)
+        config = self.program.check_model(module, self._tp, self._pp, t.precision)
         if not self._cpu:
             module.cuda(torch.cuda.current_device())
-        self.model = DistributedDataParallel(
-            config=config,
-            # average_in_collective=False (the default): each rank scales its grads by 1/DP
-            # and the all-reduce sums them, i.e. grads are averaged over DP ranks.
-            ddp_config=DistributedDataParallelConfig(
-                grad_reduce_in_fp32=True, overlap_grad_reduce=t.overlap_grad_reduce
-            ),
-            module=module,
-        )
-        self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(
-                optimizer=t.optimizer,
-                lr=t.learning_rate,
-                min_lr=t.min_learning_rate,
-                weight_decay=t.weight_decay,
-                adam_beta1=t.adam_beta1,
-                adam_beta2=t.adam_beta2,
-                adam_eps=t.adam_eps,
-                sgd_momentum=t.sgd_momentum,
-                clip_grad=t.clip_grad,
-            ),
-            [self.model],
-        )
-        decay = max(1, t.lr_decay_iterations or t.iterations)
-        self.scheduler = OptimizerParamScheduler(
-            self.optimizer,
-            init_lr=0.0 if t.lr_warmup_iterations else t.learning_rate,
-            max_lr=t.learning_rate,
-            min_lr=t.min_learning_rate,
-            lr_warmup_steps=t.lr_warmup_iterations,
-            lr_decay_steps=decay,
-            lr_decay_style=t.lr_decay_style,
-            start_wd=t.weight_decay,
-            end_wd=t.weight_decay,
-            wd_incr_steps=decay,
-            wd_incr_style="constant",
-            wsd_decay_steps=t.lr_wsd_decay_iterations or None,
-            lr_wsd_decay_style=t.lr_wsd_decay_style,
-        )
+        if t.precision != "fp32":
+            # As Megatron-LM's get_model: the parameters in low precision, the first stage's
+            # input and the last stage's output converted at the module's edges.
+            module = Float16Module(config, module)
+        self.model = DistributedDataParallel(config=config, ddp_config=ddp_config(t), module=module)
+        self.optimizer = get_megatron_optimizer(optimizer_config(t, config.params_dtype), [self.model])
+        self.scheduler = param_scheduler(self.optimizer, t)
+        if t.distributed_optimizer:
+            distributed_optimizer.allocate_state(self.optimizer)
+        if t.precision == "fp16":
+            # The schedule multiplies the loss by the optimizer's loss scale before the backward
+            # pass (Megatron-LM sets the same); the optimizer divides the gradients by it.
+            config.grad_scale_func = self.optimizer.scale_loss
         # Without these hooks the schedule never triggers DDP's grad all-reduce.
         config.no_sync_func = self.model.no_sync
         config.finalize_model_grads_func = self._finalize_grads
@@ -202,6 +185,11 @@ class MegatronTrainer:
     def device(self) -> str:
         """The device this trainer was built for ("cpu" or "cuda")."""
         return self._device
+
+    @property
+    def skipped_steps(self) -> int:
+        """fp16 steps this process skipped because their gradients overflowed."""
+        return self._skipped_steps
 
     @property
     def data_parallel_size(self) -> int:
@@ -242,26 +230,39 @@ class MegatronTrainer:
         return MegatronTrainer(self.program, self.training, self._device, timeout or self._timeout)
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's training state: its model slice, the optimizer state of that slice
-        (Megatron's non-distributed optimizer: identical on every DP rank), the LR scheduler,
-        the RNG states and the number of completed iterations, which also fixes the data
-        position. References, not copies."""
-        return {
+        """This rank's training state: its model slice, the optimizer state of that slice, the
+        LR scheduler, the RNG states and the number of completed iterations, which also fixes
+        the data position. References, not copies. Megatron's non-distributed optimizer keeps
+        the whole optimizer state, identical on every DP rank, in "optimizer"; under the
+        distributed optimizer "optimizer" holds its parameter groups only and this rank's
+        shard of main parameters and moments is under SHARD_KEY, as named pieces."""
+        state = {
             "iteration": self._iteration,
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "rng": _rng_states(),
         }
+        if self.training.distributed_optimizer:
+            state[SHARD_KEY] = distributed_optimizer.shard(
+                self.optimizer, self.model, self.data_parallel_rank, self._dp
+            )
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continues from ``state`` (as returned by ``state_dict()``, possibly under another DP
-        degree). Parameters are copied in place, so Megatron's DDP buffers stay valid."""
+        degree). Parameters are copied in place, so Megatron's DDP buffers stay valid. Under the
+        distributed optimizer this rank's shard is cut from the shards ``state`` carries (its
+        own, or several ranks' gathered for a resize); ShardError, with nothing loaded, when
+        they miss part of it."""
         if self._closed:
             raise RuntimeError("MegatronTrainer is closed")
         with cpu_mode(self._device):
+            if self.training.distributed_optimizer:
+                distributed_optimizer.load(self.optimizer, self.model, state)
+            else:
+                self.optimizer.load_state_dict(state["optimizer"])
             self.model.load_state_dict(state["model"], strict=True)
-            self.optimizer.load_state_dict(state["optimizer"])
             if "scheduler" in state:
                 self.scheduler.load_state_dict(state["scheduler"])
             if "rng" in state:
@@ -364,6 +365,7 @@ class MegatronTrainer:
         self.optimizer.zero_grad()
         self._local_grads = None
         self._step_losses = []
+        self._forward_passes = 0
         self._forward_backward(
             forward_step_func=self._forward_step,
             data_iterator=self._data_iterator(),
@@ -380,22 +382,66 @@ class MegatronTrainer:
         # update has begun leaves a step that cannot be redone.
         loss, tokens = self._global_mean_loss(self._step_losses)
         self._update_started = True
-        update_ok, _, _ = self.optimizer.step()
-        if not update_ok:
+        update_ok, grad_norm, _ = self.optimizer.step()
+        self._last_update = (update_ok, grad_norm)
+        if update_ok:
+            self.scheduler.step(increment=1)
+        elif self.training.precision == "fp16":
+            self._loss_scale_skip()
+        else:
             raise RuntimeError(f"optimizer step {self._iteration + 1} skipped (non-finite grads)")
-        self.scheduler.step(increment=1)
         return loss, tokens
+
+    def _loss_scale_skip(self) -> None:
+        """An fp16 step whose gradients overflowed: the loss scale was lowered and the update
+        skipped, as Megatron-LM does (the iteration counts; the LR schedule waits). A skip at
+        the smallest scale means the gradients overflow unscaled: no later step can do better,
+        so it is the run's own error, not something a restart heals."""
+        self._skipped_steps += 1
+        scale = float(self.optimizer.get_loss_scale())
+        parts = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        scalers = [part.grad_scaler for part in parts if getattr(part, "grad_scaler", None) is not None]
+        minimum = max((float(getattr(scaler, "min_scale", 1.0)) for scaler in scalers), default=1.0)
+        if scale <= minimum:
+            raise ProgramError(
+                f"fp16 loss scale collapsed: iteration {self._iteration + 1} overflowed with the loss scale at its"
+                f" minimum ({minimum:g}) after {self._skipped_steps} skipped steps; train in bf16 or lower the"
+                " learning rate"
+            )
+
+    def _first_sample(self) -> int:
+        """The global index of this rank's first sample in the current iteration."""
+        per_rank = self.training.global_batch_size // self._dp
+        return self._iteration * self.training.global_batch_size + parallel_state.get_data_parallel_rank() * per_rank
+
+    def _seed_micro_batch(self, micro_batch: int) -> None:
+        """Seeds every generator a forward pass draws from (dropout's masks) from what the pass
+        computes, not from which rank computes it or what it drew before: the job's seed, the
+        iteration, the micro-batch's first global sample and the pipeline stage. A restarted
+        rank, a reattempt and a job at another data-parallel degree then draw the same masks
+        for the same samples. Megatron's split is kept: the default generators are common to a
+        stage's tensor-parallel ranks, its tracker's model-parallel stream is per rank."""
+        sample = self._first_sample() + micro_batch * self.training.micro_batch_size
+        seed = keyed_seed(
+            self.training.seed, self._iteration + 1, sample, int(parallel_state.get_pipeline_model_parallel_rank())
+        )
+        torch.manual_seed(seed)
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
     def _data_iterator(self) -> Iterator[Any]:
         t = self.training
         per_rank = t.global_batch_size // self._dp
-        first = self._iteration * t.global_batch_size + parallel_state.get_data_parallel_rank() * per_rank
+        first = self._first_sample()
         for start in range(first, first + per_rank, t.micro_batch_size):
             # Past the data set's end the samples wrap around: another epoch, in the same order.
             samples = [self.dataset[g % self._dataset_size] for g in range(start, start + t.micro_batch_size)]
             yield collate(samples)
 
     def _forward_step(self, data_iterator: Iterator[Any], model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
+        # The schedule runs each stage's forward passes in micro-batch order (no interleaving),
+        # so the count of this step's forward passes so far names the micro-batch.
+        self._seed_micro_batch(self._forward_passes)
+        self._forward_passes += 1
         output, loss_func = self.program.forward_step(data_iterator, model)
         if not callable(loss_func):
             raise ProgramError(

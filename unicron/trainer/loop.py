@@ -56,6 +56,8 @@ def training_of(spec: common_pb2.JobSpec) -> Training:
         lr_wsd_decay_style=t.lr_wsd_decay_style or OPTIMIZER_DEFAULTS["lr_wsd_decay_style"],
         optimizer=t.optimizer or OPTIMIZER_DEFAULTS["optimizer"],
         overlap_grad_reduce=t.overlap_grad_reduce,
+        precision=t.precision or OPTIMIZER_DEFAULTS["precision"],
+        distributed_optimizer=t.distributed_optimizer,
         **{name: getattr(t, name) for name in OPTIONAL_OPTIMIZER_SETTINGS if t.HasField(name)},
     )
 
@@ -81,6 +83,8 @@ def local_spec(training: Training) -> common_pb2.JobSpec:
     t.lr_wsd_decay_style = training.lr_wsd_decay_style
     t.optimizer = training.optimizer
     t.overlap_grad_reduce = training.overlap_grad_reduce
+    t.precision = training.precision
+    t.distributed_optimizer = training.distributed_optimizer
     for name in OPTIONAL_OPTIMIZER_SETTINGS:
         setattr(t, name, getattr(training, name))
     return spec

@@ -17,6 +17,7 @@ Import this module before anything from ``megatron`` so its warning filter takes
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -132,7 +133,7 @@ def _install_cuda_patches() -> None:
         # generator around model-parallel regions. On CPU the device generator is the CPU
         # default generator, so dropout inside a fork draws from the forked stream as intended
         # (Megatron then logs "CPU RNG state changed within GPU RNG context" per fork, since
-        # the two are one here; MegatronTrainer trains without dropout, so it never does).
+        # the two are one here: _OneGenerator drops that line).
         torch.cuda.get_rng_state = _cpu_rng_state
         torch.cuda.random.get_rng_state = _cpu_rng_state
         torch.cuda.set_rng_state = _set_cpu_rng_state
@@ -144,7 +145,16 @@ def _install_cuda_patches() -> None:
         from megatron.core.tensor_parallel import random as mcore_random
 
         mcore_random._set_cuda_rng_state = _set_cpu_rng_state
+        logging.getLogger(mcore_random.__name__).addFilter(_OneGenerator())
         _patched = True
+
+
+class _OneGenerator(logging.Filter):
+    """Drops Megatron's warning that the CPU generator moved inside a fork of the device
+    generator: on the CPU the two are one, so every fork that draws (dropout) moves it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != "CPU RNG state changed within GPU RNG context"
 
 
 @contextlib.contextmanager

@@ -76,6 +76,7 @@ import torch.distributed as dist
 
 from unicron.trainer import checkpoint, transfer
 from unicron.trainer.engine import PartialStep
+from unicron.trainer.optimizer_shards import SHARD_KEY, SHARDS_KEY, Place, data_parallel_of, pieces_to_exchange
 from unicron.trainer.protocol import T, Trainer
 from unicron.trainer.snapshot import restore_nearest
 from unicron.trainer.tensor_bytes import StateError
@@ -439,11 +440,46 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-def _gather_table(iteration: int, shard: tuple[int, int]) -> list[tuple[int, int, int]]:
-    mine = torch.tensor([iteration, *shard], dtype=torch.int64, device=_device())
+def _gather_table(iteration: int, shard: tuple[int, int], held_dp: tuple[int, int], dp: tuple[int, int]) -> list[Place]:
+    """Every rank's place: its held iteration, slice, and the data-parallel (rank, degree) its
+    optimizer shard was taken at and is wanted at (degree 0: no sharded optimizer)."""
+    mine = torch.tensor([iteration, *shard, *held_dp, *dp], dtype=torch.int64, device=_device())
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
-    return [(int(t[0]), int(t[1]), int(t[2])) for t in everyone]
+    rows = [[int(v) for v in t] for t in everyone]
+    return [(r[0], (r[1], r[2]), (r[3], r[4]), (r[5], r[6])) for r in rows]
+
+
+def _data_parallel_places(trainer: Trainer, held: Held | None) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(rank, degree) of the optimizer shard ``held`` carries and of the one ``trainer`` wants;
+    (0, 0) where the optimizer is replicated or nothing is held."""
+    wanted = (trainer.data_parallel_rank, trainer.data_parallel_size) if SHARD_KEY in trainer.state_dict() else (0, 0)
+    own = held.state.get(SHARD_KEY) if held is not None else None
+    return (data_parallel_of(own) if own is not None else (0, 0)), wanted
+
+
+def _exchange_shards(holders: list[int], held: Held | None, group: Any) -> list[dict[str, Any]]:
+    """Collective over ``group``: each of ``holders`` in turn broadcasts its optimizer shard;
+    returns all of them (StateError once every broadcast took place, if one failed here)."""
+    shards: list[dict[str, Any]] = []
+    problem = ""
+    for holder in holders:
+        own = held.state[SHARD_KEY] if held is not None and dist.get_rank() == holder else None
+        try:
+            got = transfer.broadcast_state(None if own is None else {SHARD_KEY: own}, holder, group, _device())
+            shard = own if own is not None else (got or {}).get(SHARD_KEY)
+            if not isinstance(shard, dict):
+                raise StateError(f"rank {holder} sent no optimizer shard")
+            shards.append(shard)
+        except StateError as exc:
+            problem = problem or str(exc)  # every holder still broadcasts; the others listen
+    if problem:
+        raise StateError(problem)
+    return shards
+
+
+def _without_shard(state: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in state.items() if key != SHARD_KEY}
 
 
 def _check_received(state: dict[str, Any], target: int) -> None:
@@ -469,35 +505,31 @@ def exchange_state(
             "the state held is of shard %s, this rank now holds %s: taking it from a peer", held.shard, trainer.shard
         )
         held = None
-    table = _gather_table(NO_STATE if held is None else held.iteration, trainer.shard)
-    plan = make_plan(table)
+    held_dp, wanted_dp = _data_parallel_places(trainer, held)
+    places = _gather_table(NO_STATE if held is None else held.iteration, trainer.shard, held_dp, wanted_dp)
+    plan = make_plan([(it, *slice_) for it, slice_, _, _ in places])
     shard = trainer.shard
     state: dict[str, Any] | None = None
     source = SOURCE_LIVE
-    problem = plan.problem
+    # Under the distributed optimizer a rank's own shard moves apart from the model: the
+    # data-parallel ranks of a slice exchange every shard held when any of them needs another.
+    exchange, problem = pieces_to_exchange(places, plan.target) if not plan.problem else ({}, plan.problem)
     if not problem:
+        state, source, problem = _model_state(trainer, held, plan, corrupt_transfer)
+        if exchange.get(shard):
+            # Every rank of the slice takes part, whatever its own model state came to.
+            try:
+                shards = _exchange_shards(exchange[shard], held, trainer.data_parallel_group())
+                state = None if state is None else {**_without_shard(state), SHARDS_KEY: shards}
+            except StateError as exc:
+                problem, state = problem or f"rank {rank}: {exc}", None
+                log.error("optimizer shards unusable: %s", exc)
         try:
-            if plan.receivers.get(shard):
-                src = plan.sources[shard]
-                sent = held.state if rank == src and held is not None else None
-                corrupt = corrupt_transfer and rank == src
-                if corrupt:
-                    log.warning("corrupting the state sent to peers (fault injection)")
-                state = transfer.broadcast_state(sent, src, trainer.data_parallel_group(), _device(), corrupt)
-                if rank not in plan.receivers[shard]:
-                    state = None  # a holder of the target that only listened keeps its own
-                elif state is not None:
-                    source = SOURCE_PEER
-                    _check_received(state, plan.target)
-            if state is None and held is not None and held.iteration == plan.target:
-                state = held.state
-            elif state is None:  # cannot happen by the plan
-                raise StateError(f"no state of iteration {plan.target} here")
-            checkpoint.fits(trainer.state_dict())(state)
-        except (StateError, checkpoint.CheckpointError) as exc:
-            problem = f"rank {rank}: {exc}"
+            if state is not None:
+                checkpoint.fits(trainer.state_dict())(state)
+        except checkpoint.CheckpointError as exc:
+            problem, state = f"rank {rank}: {exc}", None
             log.error("%s state is unusable: %s", source, exc)
-            state = None
     ok = torch.tensor([0 if problem else 1], dtype=torch.int32, device=_device())
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     if int(ok.item()) == 1 and state is not None:
@@ -513,3 +545,34 @@ def exchange_state(
         problem or "another rank's state is unusable",
     )
     return restore_nearest(trainer, checkpoint_dir, snapshot_dir)
+
+
+def _model_state(
+    trainer: Trainer, held: Held | None, plan: Plan, corrupt_transfer: bool
+) -> tuple[dict[str, Any] | None, str, str]:
+    """This rank's state at the plan's target (its own, or a peer's broadcast in its slice's
+    group), where it came from, and why it is unusable ("" when it is not)."""
+    rank, shard = dist.get_rank(), trainer.shard
+    state: dict[str, Any] | None = None
+    source = SOURCE_LIVE
+    try:
+        if plan.receivers.get(shard):
+            src = plan.sources[shard]
+            sent = _without_shard(held.state) if rank == src and held is not None else None
+            corrupt = corrupt_transfer and rank == src
+            if corrupt:
+                log.warning("corrupting the state sent to peers (fault injection)")
+            state = transfer.broadcast_state(sent, src, trainer.data_parallel_group(), _device(), corrupt)
+            if rank not in plan.receivers[shard]:
+                state = None  # a holder of the target that only listened keeps its own
+            elif state is not None:
+                source = SOURCE_PEER
+                _check_received(state, plan.target)
+        if state is None and held is not None and held.iteration == plan.target:
+            state = held.state
+        elif state is None:  # cannot happen by the plan
+            raise StateError(f"no state of iteration {plan.target} here")
+    except StateError as exc:
+        log.error("%s state is unusable: %s", source, exc)
+        return None, source, f"rank {rank}: {exc}"
+    return state, source, ""
