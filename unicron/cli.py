@@ -214,6 +214,7 @@ def print_job(job: common_pb2.Job, out: TextIO) -> None:
             f"{progress.iteration_seconds:.2f}s/it, {progress.flops_per_second / 1e9:.2f} GFLOP/s, "
             f"{progress.tokens} tokens\n"
         )
+        out.write(f"training   {training_line(progress)}\n")
     if progress.measured_flops_per_second:
         measured = sorted(progress.measured_flops_per_second.items())
         out.write(
@@ -249,6 +250,20 @@ def print_job(job: common_pb2.Job, out: TextIO) -> None:
         out.write(f"  {stamp}  {state_name(change.state):<10} {change.reason}\n")
 
 
+def training_line(progress: common_pb2.JobProgress) -> str:
+    """The last iteration's learning rate, gradient norm and loss-function report, fp16's
+    skipped updates and the newest validation loss, as one line."""
+    parts = [f"lr {progress.learning_rate:.3g}"]
+    if progress.HasField("grad_norm"):
+        parts.append(f"grad norm {progress.grad_norm:.4g}")
+    parts += [f"{name} {value:.4g}" for name, value in sorted(progress.metrics.items())]
+    if progress.skipped_steps:
+        parts.append(f"{progress.skipped_steps} skipped")
+    if progress.validation_iteration:
+        parts.append(f"validation loss {progress.validation_loss:.4f} (iteration {progress.validation_iteration})")
+    return ", ".join(parts)
+
+
 class ProgressView:
     """A progress bar on a terminal; one line per event elsewhere (logs, CI)."""
 
@@ -261,7 +276,12 @@ class ProgressView:
     def progress(self, event: common_pb2.JobEvent, total: int) -> None:
         p = event.progress
         rate = f"{1 / p.iteration_seconds:.2f} it/s" if p.iteration_seconds > 0 else ""
-        text = f"{p.iteration}/{total} loss {p.loss:.4f} {rate}".rstrip()
+        extra = f" lr {p.learning_rate:.3g}" if p.learning_rate else ""
+        if p.HasField("grad_norm"):
+            extra += f" gnorm {p.grad_norm:.3g}"
+        if p.validation_iteration == p.iteration and p.iteration:
+            extra += f" val {p.validation_loss:.4f}"
+        text = f"{p.iteration}/{total} loss {p.loss:.4f}{extra} {rate}".rstrip()
         if not self._tty:
             self._out.write(f"  iteration {text}\n")
             self._out.flush()

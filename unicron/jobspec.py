@@ -150,6 +150,7 @@ def with_defaults(spec: common_pb2.JobSpec) -> common_pb2.JobSpec:
     train.lr_wsd_decay_style = train.lr_wsd_decay_style or OPTIMIZER_DEFAULTS["lr_wsd_decay_style"]
     train.optimizer = train.optimizer or OPTIMIZER_DEFAULTS["optimizer"]
     train.precision = train.precision or OPTIMIZER_DEFAULTS["precision"]
+    train.eval_iterations = train.eval_iterations or 1
     for name in OPTIONAL_OPTIMIZER_SETTINGS:
         if not train.HasField(name):
             setattr(train, name, OPTIMIZER_DEFAULTS[name])

@@ -68,6 +68,9 @@ def model_of(args: argparse.Namespace) -> Any:
     )
 
 
+VALIDATION_SEED_OFFSET = 1_000_003
+
+
 def program(
     model: Any, seed: int, data_path: str = "", tokenizer: str = "", precision: str = "fp32"
 ) -> MegatronProgram:
@@ -76,13 +79,19 @@ def program(
     ``precision`` (the job's training.precision)."""
     from examples.gpt.model import SyntheticData, forward_step, model_provider
 
-    def dataset_provider(num_samples: int) -> Any:
+    def dataset_provider(num_samples: int, data_seed: int = seed) -> Any:
         if not data_path:
-            return SyntheticData(model, seed, num_samples)
+            return SyntheticData(model, data_seed, num_samples)
         from examples.gpt import data
 
         tokenizer_path = tokenizer or str(Path(data_path).parent / "tokenizer.json")
-        return data.load(data_path, tokenizer_path, model.seq_length, num_samples, seed, model.vocab_size)
+        return data.load(data_path, tokenizer_path, model.seq_length, num_samples, data_seed, model.vocab_size)
+
+    def valid_dataset_provider(num_samples: int) -> Any:
+        # Other samples drawn the same way: synthetic sequences of another seed, or the text
+        # cut and shuffled by another seed (the same documents: a sanity check of the loss,
+        # not a held-out split).
+        return dataset_provider(num_samples, seed + VALIDATION_SEED_OFFSET)
 
     return MegatronProgram(
         model_provider(model, precision),
@@ -91,6 +100,7 @@ def program(
         seq_length=model.seq_length,
         description=model.shape(),
         flops_per_token=model.flops_per_token(),
+        valid_dataset_provider=valid_dataset_provider,
     )
 
 

@@ -205,6 +205,7 @@ def cluster_summary(
             waf=job_waf(job),
             failure_waf_seconds=lost_by_job.get(job.job_id, 0.0),
             incidents=count_by_job.get(job.job_id, 0),
+            progress=job.progress,
         )
     return summary
 

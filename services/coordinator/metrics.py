@@ -172,6 +172,36 @@ class CoordinatorMetrics:
             description="Weighted achieved FLOP/s of one job (weight x FLOP/s of its last iteration)",
         )
         meter.create_observable_gauge(
+            "unicron.job.loss",
+            callbacks=[self._observe_losses],
+            unit="",
+            description="A job's last training loss; with a 'metric' label, its loss function's report (e.g. lm loss)",
+        )
+        meter.create_observable_gauge(
+            "unicron.job.learning_rate",
+            callbacks=[self._observe_learning_rates],
+            unit="",
+            description="The learning rate of a job's last update",
+        )
+        meter.create_observable_gauge(
+            "unicron.job.grad_norm",
+            callbacks=[self._observe_grad_norms],
+            unit="",
+            description="The gradient norm of a job's last update, before clipping (jobs that clip)",
+        )
+        meter.create_observable_gauge(
+            "unicron.job.validation_loss",
+            callbacks=[self._observe_validation],
+            unit="",
+            description="A job's newest validation loss (jobs that evaluate)",
+        )
+        meter.create_observable_gauge(
+            "unicron.job.skipped_steps",
+            callbacks=[self._observe_skipped],
+            unit="{step}",
+            description="fp16 updates a job skipped for overflowing gradients, over its run",
+        )
+        meter.create_observable_gauge(
             "unicron.jobs",
             callbacks=[self._observe_job_states],
             unit="{job}",
@@ -197,6 +227,33 @@ class CoordinatorMetrics:
 
     def _observe_jobs(self, options: CallbackOptions) -> Iterable[Observation]:
         return [Observation(job.waf, {"job": job.name, "job_id": job.job_id}) for job in self._current()[0].jobs]
+
+    def _training(self) -> list[tuple[dict[str, str], pb.JobProgress]]:
+        """(labels, progress) of every shown job that has reported an iteration."""
+        return [
+            ({"job": job.name, "job_id": job.job_id}, job.progress)
+            for job in self._current()[0].jobs
+            if job.progress.iteration
+        ]
+
+    def _observe_losses(self, options: CallbackOptions) -> Iterable[Observation]:
+        out = []
+        for labels, progress in self._training():
+            out.append(Observation(progress.loss, labels))
+            out += [Observation(v, {**labels, "metric": name}) for name, v in sorted(progress.metrics.items())]
+        return out
+
+    def _observe_learning_rates(self, options: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(progress.learning_rate, labels) for labels, progress in self._training()]
+
+    def _observe_grad_norms(self, options: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(p.grad_norm, labels) for labels, p in self._training() if p.HasField("grad_norm")]
+
+    def _observe_validation(self, options: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(p.validation_loss, labels) for labels, p in self._training() if p.validation_iteration]
+
+    def _observe_skipped(self, options: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(p.skipped_steps, labels) for labels, p in self._training()]
 
     def _observe_job_states(self, options: CallbackOptions) -> Iterable[Observation]:
         return [Observation(n, {"state": state}) for state, n in self._current()[1].jobs.items()]

@@ -71,6 +71,12 @@ def check_time(stamp: Timestamp, field: str) -> None:
         raise InvalidArgument(field, f"is not a valid time (seconds {stamp.seconds}, nanos {stamp.nanos})") from None
 
 
+# What one iteration report may carry of the loss function's report dict (the trainer sends
+# no more: unicron/trainer/step_report.py).
+MAX_METRICS = 32
+MAX_METRIC_NAME = 64
+
+
 def _check_report(index: int, report: node_service_pb2.IterationReport) -> None:
     for name in ("seconds", "flops", "compute_seconds"):
         value = getattr(report, name)
@@ -78,6 +84,10 @@ def _check_report(index: int, report: node_service_pb2.IterationReport) -> None:
             raise InvalidArgument(f"reports[{index}].{name}", f"must be a finite non-negative number, got {value}")
     if report.iteration == 0:
         raise InvalidArgument(f"reports[{index}].iteration", "iterations count from 1")
+    if len(report.metrics) > MAX_METRICS or any(len(name) > MAX_METRIC_NAME for name in report.metrics):
+        raise InvalidArgument(
+            f"reports[{index}].metrics", f"at most {MAX_METRICS} names of at most {MAX_METRIC_NAME} characters"
+        )
 
 
 def _last_line(text: str, limit: int = 300) -> str:
@@ -266,6 +276,8 @@ class Reports:
                 # measurement (once per size, so a job is not re-planned every iteration),
                 # once it is written, so that the re-plan reads it.
                 replan = f"throughput of {job.job_id} measured at {size} ranks"
+        # An iteration redone after a remedy is counted once.
+        skipped = report.skipped and report.iteration > job.progress.iteration
         progress = common_pb2.JobProgress(
             iteration=report.iteration,
             loss=report.loss,
@@ -273,9 +285,20 @@ class Reports:
             tokens=job.progress.tokens + report.tokens,
             flops_per_second=flops_per_second,
             measured_flops_per_second=measured,
+            metrics=report.metrics,
+            learning_rate=report.learning_rate,
+            skipped_steps=job.progress.skipped_steps + int(skipped),
+            validation_loss=job.progress.validation_loss,
+            validation_iteration=job.progress.validation_iteration,
         )
+        if report.HasField("grad_norm"):
+            progress.grad_norm = report.grad_norm
+        if report.HasField("validation_loss"):
+            progress.validation_loss, progress.validation_iteration = report.validation_loss, report.iteration
         progress.updated.FromNanoseconds(int(now * 1e9))
         message = f"iteration {report.iteration}/{job.spec.training.iterations} loss {report.loss:.4f}"
+        if report.HasField("validation_loss"):
+            message += f" validation loss {report.validation_loss:.4f}"
         self._ctx.store.set_progress(
             job.job_id,
             progress,

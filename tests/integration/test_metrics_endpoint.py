@@ -80,6 +80,10 @@ class FakeNode:
                 seconds=SECONDS,
                 tokens=64,
                 flops=FLOPS,
+                metrics={"lm loss": 3.0, "z loss": 0.25},
+                learning_rate=2e-4,
+                grad_norm=0.75,
+                validation_loss=3.5,
             )
             for worker in job.assignment.workers
             for rank in worker.ranks
@@ -171,6 +175,17 @@ def test_the_active_coordinator_serves_cluster_and_job_waf(cluster: LocalCluster
     assert single(found, "unicron_cluster_waf_flop_per_second") == pytest.approx(job_waf)
     assert single(found, "unicron_jobs", state="running") == 1
     assert single(found, "unicron_nodes", state="ready") == 1
+    # What the run shows: its loss, the loss function's report, learning rate, gradient norm
+    # and validation loss, per job.
+    labels = {"job": "metrics-gpt", "job_id": job.job_id}
+    losses = {
+        s.labels.get("metric", ""): s.value for s in found["unicron_job_loss"] if labels.items() <= s.labels.items()
+    }
+    assert losses == {"": 3.0, "lm loss": 3.0, "z loss": 0.25}
+    assert single(found, "unicron_job_learning_rate", **labels) == pytest.approx(2e-4)
+    assert single(found, "unicron_job_grad_norm", **labels) == 0.75
+    assert single(found, "unicron_job_validation_loss", **labels) == 3.5
+    assert single(found, "unicron_job_skipped_steps", **labels) == 0
 
     # A rank dies: the incident is counted by its kind and severity.
     node.exit(job, rank=1)

@@ -217,6 +217,27 @@ def test_get_shows_worker_states_and_remedies() -> None:
     assert "restart     inc-1  resumed after 3.5s: process_exit calls for restart process" in text
 
 
+def test_get_and_watch_show_what_the_run_reports() -> None:
+    job = common_pb2.Job(job_id="job-1", state=common_pb2.JOB_STATE_RUNNING)
+    job.spec.name, job.spec.training.iterations = "gpt", 100
+    p = job.progress
+    p.iteration, p.loss, p.iteration_seconds, p.learning_rate, p.grad_norm = 40, 2.5, 0.5, 3e-4, 0.812
+    p.metrics["lm loss"], p.skipped_steps = 2.5, 3
+    p.validation_loss, p.validation_iteration = 2.75, 40
+    out = io.StringIO()
+    cli.print_job(job, out)
+    assert (
+        "training   lr 0.0003, grad norm 0.812, lm loss 2.5, 3 skipped, validation loss 2.7500 (iteration 40)"
+        in out.getvalue()
+    )
+    watched = io.StringIO()
+    cli.ProgressView(watched).progress(common_pb2.JobEvent(progress=p), 100)
+    assert watched.getvalue() == "  iteration 40/100 loss 2.5000 lr 0.0003 gnorm 0.812 val 2.7500 2.00 it/s\n"
+    # Without clipping or evaluation only the rate is shown.
+    bare = common_pb2.JobProgress(iteration=3, loss=4.0, learning_rate=1e-3)
+    assert cli.training_line(bare) == "lr 0.001"
+
+
 def test_nodes_say_how_long_each_is_in_its_state(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -78,6 +78,7 @@ def pretrain(
     describe: Mapping[str, Any] | None = None,
     flops_per_token: float = 0.0,
     checkpoint_dir: str = "",
+    valid_dataset_provider: DatasetProvider | None = None,
 ) -> None:
     """Trains a Megatron-Core program to its last iteration, the way Megatron-LM's
     ``pretrain()`` does, with Unicron's recovery underneath: errors reported and classified,
@@ -88,6 +89,8 @@ def pretrain(
     settings for runs without Unicron (under Unicron the job spec's are used: the planner sized
     the job by them). ``checkpoint_dir`` (runs without Unicron only; under Unicron the agent's
     directory) enables persistent checkpoints every ``training.checkpoint_interval``.
+    ``valid_dataset_provider(num_samples)``: the validation data, addressed like the training
+    data; the job evaluates on it every ``training.eval_interval`` iterations.
 
     Returns when the last iteration is done. Raises SystemExit(143) when Unicron stopped the
     rank (a resize left it out, the job was cancelled), and the error after reporting it when
@@ -99,6 +102,7 @@ def pretrain(
         seq_length=seq_length,
         description=dict(describe or {}),
         flops_per_token=flops_per_token,
+        valid_dataset_provider=valid_dataset_provider,
     )
     train_program(program, training, checkpoint_dir=checkpoint_dir)
 

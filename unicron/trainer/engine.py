@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -43,11 +43,9 @@ from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
-from unicron.trainer import distributed_optimizer
+from unicron.trainer import distributed_optimizer, step_report
 from unicron.trainer.megatron_settings import ddp_config, keyed_seed, optimizer_config, param_scheduler
 from unicron.trainer.optimizer_shards import SHARD_KEY
-
-LossOutput = tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -60,6 +58,11 @@ class StepResult:
     # This rank's time before it entered the gradient all-reduce: its own share of the step.
     # Peers of a slow rank wait inside the all-reduce, so a straggler shows here, not in seconds.
     compute_seconds: float = 0.0
+    # The loss function's report dict over the whole global batch (step_report.py).
+    metrics: dict[str, float] = field(default_factory=dict)
+    learning_rate: float = 0.0  # of this iteration's update
+    grad_norm: float | None = None  # before clipping; None where not computed
+    skipped: bool = False  # fp16: the update was skipped for overflowing gradients
 
 
 @dataclass(frozen=True)
@@ -74,6 +77,7 @@ class PartialStep:
     data_parallel_rank: int
     grads: list[torch.Tensor]
     losses: list[torch.Tensor]
+    reports: step_report.Totals = field(default_factory=dict)
 
 
 class MegatronTrainer:
@@ -120,9 +124,14 @@ class MegatronTrainer:
         self.keep_local_grads = not training.overlap_grad_reduce
         self._local_grads: list[torch.Tensor] | None = None
         self._step_losses: list[torch.Tensor] = []
+        self._step_reports: step_report.Totals = {}
+        self._report_names: list[str] | None = None  # agreed by the ranks at the first step
+        self._learning_rate = 0.0
+        self._valid_dataset: Any = None
         self._forward_passes = 0  # of the step in progress
         self._skipped_steps = 0  # fp16 steps skipped for overflowing gradients, in this process
         self._last_update: tuple[bool, float | None] = (True, None)
+        self._metrics: dict[str, float] = {}
         with cpu_mode(device):
             try:
                 self._build()
@@ -166,6 +175,9 @@ class MegatronTrainer:
         config.finalize_model_grads_func = self._finalize_grads
         self._forward_backward = get_forward_backward_func()
         self.dataset = self.program.build_dataset(t.iterations * t.global_batch_size)
+        if t.eval_interval:
+            # At start: a job set to evaluate whose program has no validation data fails now.
+            self._valid_dataset = self.program.build_valid_dataset(t.eval_iterations * t.global_batch_size)
         self._dataset_size = dataset_size(self.dataset)
         self._seq_length = self.program.seq_length or sample_length(self.dataset[0])
         self._parameters = sum(p.numel() for p in self.model.parameters())
@@ -306,6 +318,7 @@ class MegatronTrainer:
             self.data_parallel_rank,
             [g.cpu() for g in self._local_grads],
             [entry.detach().cpu() for entry in self._step_losses],
+            {name: list(pair) for name, pair in self._step_reports.items()},
         )
 
     def finish_step(self, partial: PartialStep) -> StepResult:
@@ -328,6 +341,7 @@ class MegatronTrainer:
             for buffer, grads in zip(self.model.buffers, partial.grads, strict=True):
                 buffer.grad_data.copy_(grads)
             self._step_losses = list(partial.losses)
+            self._step_reports = {name: list(pair) for name, pair in partial.reports.items()}
             self._finalize_grads([self.model])
             self._grad_sync_at = start  # nothing was computed again
             loss, tokens = self._update()
@@ -351,6 +365,7 @@ class MegatronTrainer:
         self._iteration += 1
         self._local_grads = None  # of a finished step: nothing left to reuse
         self._update_started = False
+        update_ok, grad_norm = self._last_update
         return StepResult(
             iteration=self._iteration,
             loss=loss,
@@ -358,6 +373,10 @@ class MegatronTrainer:
             tokens=tokens,
             flops=self.program.flops(tokens, self._replica_parameters),
             compute_seconds=compute_seconds,
+            metrics=dict(self._metrics),
+            learning_rate=self._learning_rate,
+            grad_norm=float(grad_norm) if grad_norm else None,
+            skipped=not update_ok,
         )
 
     def _train_step(self) -> tuple[float, int]:
@@ -365,6 +384,7 @@ class MegatronTrainer:
         self.optimizer.zero_grad()
         self._local_grads = None
         self._step_losses = []
+        self._step_reports = {}
         self._forward_passes = 0
         self._forward_backward(
             forward_step_func=self._forward_step,
@@ -381,6 +401,7 @@ class MegatronTrainer:
         # The loss's all-reduce comes before the update: a collective that fails after the
         # update has begun leaves a step that cannot be redone.
         loss, tokens = self._global_mean_loss(self._step_losses)
+        self._learning_rate = float(self.optimizer.param_groups[0]["lr"])
         self._update_started = True
         update_ok, grad_norm, _ = self.optimizer.step()
         self._last_update = (update_ok, grad_norm)
@@ -428,14 +449,58 @@ class MegatronTrainer:
         torch.manual_seed(seed)
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
-    def _data_iterator(self) -> Iterator[Any]:
+    def _data_iterator(self, dataset: Any = None, first: int | None = None) -> Iterator[Any]:
+        """This rank's micro-batches of the current iteration (or of ``dataset`` from global
+        sample ``first`` on)."""
         t = self.training
+        dataset = self.dataset if dataset is None else dataset
+        size = self._dataset_size if dataset is self.dataset else dataset_size(dataset)
         per_rank = t.global_batch_size // self._dp
-        first = self._first_sample()
+        first = self._first_sample() if first is None else first
         for start in range(first, first + per_rank, t.micro_batch_size):
             # Past the data set's end the samples wrap around: another epoch, in the same order.
-            samples = [self.dataset[g % self._dataset_size] for g in range(start, start + t.micro_batch_size)]
+            samples = [dataset[g % size] for g in range(start, start + t.micro_batch_size)]
             yield collate(samples)
+
+    def evaluate(self) -> float:
+        """Collective: the mean loss over ``training.eval_iterations`` global batches of the
+        program's validation data, the model in eval mode (no dropout, no gradients); the
+        training state is left as it was."""
+        if self._closed:
+            raise RuntimeError("MegatronTrainer is closed")
+        t = self.training
+        with cpu_mode(self._device):
+            if self._valid_dataset is None:
+                self._valid_dataset = self.program.build_valid_dataset(t.eval_iterations * t.global_batch_size)
+            saved = (self._step_losses, self._step_reports, self._forward_passes)
+            losses: list[torch.Tensor] = []
+            self.model.eval()
+            try:
+                with torch.no_grad():
+                    for batch in range(t.eval_iterations):
+                        self._step_losses, self._step_reports, self._forward_passes = [], {}, 0
+                        first = batch * t.global_batch_size + self.data_parallel_rank * (
+                            t.global_batch_size // self._dp
+                        )
+                        self._forward_backward(
+                            forward_step_func=self._forward_step,
+                            data_iterator=self._data_iterator(self._valid_dataset, first),
+                            model=[self.model],
+                            num_microbatches=self._num_microbatches,
+                            seq_length=self._seq_length,
+                            micro_batch_size=t.micro_batch_size,
+                            forward_only=True,
+                        )
+                        losses.extend(self._step_losses)
+                device = "cpu" if self._cpu else torch.cuda.current_device()
+                totals = torch.zeros(2, dtype=torch.float64, device=device)
+                for entry in losses:
+                    totals += entry.to(totals)
+                dist.all_reduce(totals)
+            finally:
+                self.model.train()
+                self._step_losses, self._step_reports, self._forward_passes = saved
+        return float(totals[0] / totals[1]) if totals[1] > 0 else float("nan")
 
     def _forward_step(self, data_iterator: Iterator[Any], model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
         # The schedule runs each stage's forward passes in micro-batch order (no interleaving),
@@ -452,13 +517,15 @@ class MegatronTrainer:
             result = loss_func(output_tensor)
             if isinstance(result, tuple) and len(result) == 2:
                 # Megatron's older form, (mean loss, report): its tokens are the micro-batch's.
-                loss, _ = _check_mean_loss(result)
+                loss, report = step_report.check_mean_loss(result)
+                step_report.add(self._step_reports, report)
                 tokens = float(self.training.micro_batch_size * self._seq_length)
                 self._step_losses.append(
                     torch.stack([loss.detach().double() * tokens, loss.new_tensor(tokens).double()])
                 )
                 return result
-            loss_sum, num_tokens, report = _check_loss(result)
+            loss_sum, num_tokens, report = step_report.check_loss(result)
+            step_report.add(self._step_reports, report)
             self._step_losses.append(torch.stack([loss_sum.detach().double(), num_tokens.detach().double()]))
             return loss_sum, num_tokens, report
 
@@ -469,13 +536,17 @@ class MegatronTrainer:
         # tokens) over the whole world scales both by TP, so their ratio is the mean over the
         # global batch and every rank receives the same value. The third entry sums each rank's
         # parameter count (DP copies of every replica slice), for the FLOPs estimate.
+        # The loss function's report pairs ride along (after the names are agreed once).
         device = "cpu" if self._cpu else torch.cuda.current_device()
-        totals = torch.zeros(3, dtype=torch.float64, device=device)
+        if self._report_names is None:
+            self._report_names = step_report.agreed_names(self._step_reports)
+        reports = step_report.pack(self._report_names, self._step_reports)
+        totals = torch.tensor([0.0, 0.0, float(self._parameters), *reports], dtype=torch.float64, device=device)
         for entry in losses:
             totals[:2] += entry.to(totals)
-        totals[2] = float(self._parameters)
         dist.all_reduce(totals)
         self._replica_parameters = float(totals[2]) / self._dp
+        self._metrics = step_report.unpack(self._report_names, totals[3:].tolist())
         tokens = float(totals[1]) / self._tp
         return float(totals[0] / totals[1]) if totals[1] > 0 else float("nan"), round(tokens)
 
@@ -495,36 +566,6 @@ class MegatronTrainer:
         go with the next ``gc.collect()``."""
         self.close()
         del self.model, self.optimizer, self.scheduler
-
-
-def _check_mean_loss(result: tuple[Any, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
-    loss, report = result
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise ProgramError(f"the loss function's loss must be a one-element tensor, got {type(loss).__name__}")
-    if not isinstance(report, dict):
-        raise ProgramError(f"the loss function's report must be a dict, got {type(report).__name__}")
-    return loss, report
-
-
-def _check_loss(result: Any) -> LossOutput:
-    """The loss function's answer in Megatron's form (loss sum, token count, report), or a
-    ProgramError that says what came back instead."""
-    if not isinstance(result, tuple) or len(result) != 3:
-        got = f"a tuple of {len(result)}" if isinstance(result, tuple) else f"a {type(result).__name__}"
-        raise ProgramError(
-            "the loss function must return (loss_sum, num_tokens, report), or (loss, report), as"
-            f" Megatron-Core's schedule takes it; it returned {got}"
-        )
-    loss_sum, num_tokens, report = result
-    if not isinstance(loss_sum, torch.Tensor) or loss_sum.numel() != 1:
-        raise ProgramError(f"the loss function's loss_sum must be a one-element tensor, got {type(loss_sum).__name__}")
-    if not isinstance(num_tokens, torch.Tensor) or num_tokens.numel() != 1:
-        raise ProgramError(
-            f"the loss function's num_tokens must be a one-element tensor, got {type(num_tokens).__name__}"
-        )
-    if not isinstance(report, dict):
-        raise ProgramError(f"the loss function's report must be a dict, got {type(report).__name__}")
-    return loss_sum, num_tokens, report
 
 
 def _rng_states() -> dict[str, Any]:

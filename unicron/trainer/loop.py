@@ -16,6 +16,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from unicron.jobspec import DEFAULT_CHECKPOINT_INTERVAL, OPTIMIZER_DEFAULTS, OPTIONAL_OPTIMIZER_SETTINGS
+from unicron.trainer import tensorboard_log
 from unicron.trainer.program import MegatronProgram, Training
 from unicron.trainer.protocol import T
 from unicron.trainer.runtime import (
@@ -58,6 +59,9 @@ def training_of(spec: common_pb2.JobSpec) -> Training:
         overlap_grad_reduce=t.overlap_grad_reduce,
         precision=t.precision or OPTIMIZER_DEFAULTS["precision"],
         distributed_optimizer=t.distributed_optimizer,
+        eval_interval=t.eval_interval,
+        eval_iterations=t.eval_iterations or 1,
+        tensorboard_dir=t.tensorboard_dir,
         **{name: getattr(t, name) for name in OPTIONAL_OPTIMIZER_SETTINGS if t.HasField(name)},
     )
 
@@ -85,6 +89,8 @@ def local_spec(training: Training) -> common_pb2.JobSpec:
     t.overlap_grad_reduce = training.overlap_grad_reduce
     t.precision = training.precision
     t.distributed_optimizer = training.distributed_optimizer
+    t.eval_interval, t.eval_iterations = training.eval_interval, training.eval_iterations
+    t.tensorboard_dir = training.tensorboard_dir
     for name in OPTIONAL_OPTIMIZER_SETTINGS:
         setattr(t, name, getattr(training, name))
     return spec
@@ -129,6 +135,7 @@ def train(run: Run, program: MegatronProgram) -> None:
         interval = training.checkpoint_interval
         every = config.snapshot_interval if config.snapshot_dir else 0
         writer = snapshots.SnapshotWriter(config.snapshot_dir, run.rank, every, run.durability.snapshotted)
+        scalars = tensorboard_log.ScalarLog(training.tensorboard_dir if run.rank == 0 else "")
         # A rank leaves its group as soon as a step fails; the coordinator answers with a
         # reform into a new group, never with a reattempt in the old one.
         parked: reforming.Parked | None = None
@@ -159,6 +166,9 @@ def train(run: Run, program: MegatronProgram) -> None:
                     save_due = False
                 run.injector.before_step(run.iteration + 1)
                 result = next_step(trainer, finishing, log)
+                # In the step's try: a peer lost during the evaluation's collectives is a failed
+                # step of a trainer whose update is done (its report is lost, not its state).
+                evaluated = trainer.evaluate() if _evaluate_after(training, result.iteration) else None
             except Exception as exc:
                 redoable = trainer.step_is_redoable
                 decision = after_failure(run, exc, redoable, leave_group if redoable else None)
@@ -184,13 +194,12 @@ def train(run: Run, program: MegatronProgram) -> None:
                 save_due = False
                 continue
             run.iteration, run.step_seconds, run.stepped = result.iteration, result.seconds, True
-            report_iteration(
-                run, result.iteration, result.loss, result.seconds, result.tokens, result.flops, result.compute_seconds
-            )
+            _report(run, result, evaluated, scalars)
             save_due = bool(config.checkpoint_dir) and run.iteration % interval == 0
             writer.after_iteration(trainer)
         if save_due and not run.stop.is_set():  # a stopped rank owes no collective
             run.durability.checkpointed(trainer.iteration, checkpoint.save(trainer, config.checkpoint_dir))
+        scalars.close()
         trainer.close()
     except BaseException as exc:
         if exc is not run.reported and not isinstance(exc, SystemExit):
@@ -200,6 +209,31 @@ def train(run: Run, program: MegatronProgram) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _report(run: Run, result: StepResult, evaluated: float | None, scalars: tensorboard_log.ScalarLog) -> None:
+    """One finished iteration to the agent, and to TensorBoard where the job asks for it."""
+    report_iteration(
+        run,
+        result.iteration,
+        result.loss,
+        result.seconds,
+        result.tokens,
+        result.flops,
+        result.compute_seconds,
+        metrics=result.metrics,
+        learning_rate=result.learning_rate,
+        grad_norm=result.grad_norm,
+        skipped=result.skipped,
+        validation_loss=evaluated,
+    )
+    scalars.write(result.iteration, tensorboard_log.scalars_of(result, evaluated))
+
+
+def _evaluate_after(training: Training, iteration: int) -> bool:
+    """Whether the job evaluates after ``iteration``: every eval_interval, and after the last."""
+    every = training.eval_interval
+    return every > 0 and (iteration % every == 0 or iteration == training.iterations)
 
 
 def _first_trainer(run: Run, program: MegatronProgram, training: Training, use_cuda: bool) -> MegatronTrainer:

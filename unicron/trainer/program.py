@@ -46,7 +46,9 @@ class Training:
     backward pass. precision: fp32, bf16 or fp16 (with a dynamic loss scale), as Megatron-LM's
     --bf16 / --fp16 train; the model's TransformerConfig must say the same.
     distributed_optimizer: Megatron's distributed optimizer (Adam's state sharded over the
-    data-parallel ranks)."""
+    data-parallel ranks). eval_interval: evaluate on the program's validation data every this
+    many iterations (0: never), over eval_iterations global batches. tensorboard_dir: rank 0
+    writes TensorBoard event files there ("": none)."""
 
     iterations: int = 100
     global_batch_size: int = 8
@@ -72,6 +74,9 @@ class Training:
     overlap_grad_reduce: bool = False
     precision: str = OPTIMIZER_DEFAULTS["precision"]
     distributed_optimizer: bool = False
+    eval_interval: int = 0
+    eval_iterations: int = 1
+    tensorboard_dir: str = ""
 
     def __post_init__(self) -> None:
         for name in ("iterations", "global_batch_size", "micro_batch_size", "tensor_parallel", "pipeline_parallel"):
@@ -83,9 +88,12 @@ class Training:
             "lr_decay_iterations",
             "lr_wsd_decay_iterations",
             "seed",
+            "eval_interval",
         ):
             if getattr(self, name) < 0:
                 raise ProgramError(f"training.{name} must not be negative, got {getattr(self, name)}")
+        if self.eval_iterations < 1:
+            raise ProgramError(f"training.eval_iterations must be at least 1, got {self.eval_iterations}")
         if not (math.isfinite(self.learning_rate) and self.learning_rate > 0):
             raise ProgramError(f"training.learning_rate must be a positive number, got {self.learning_rate}")
         problem = training_problem({name: getattr(self, name) for name in TRAINING_CHECKED})
@@ -115,7 +123,9 @@ class MegatronProgram:
     iterator yields collated micro-batches, and the loss function returns (loss_sum,
     num_tokens, report). seq_length: tokens per sample (default: the first sample's
     ``tokens`` length). describe: what identifies the model for checkpoints (its shape).
-    flops_per_token: model FLOPs per token of one iteration (default: 6 x parameters)."""
+    flops_per_token: model FLOPs per token of one iteration (default: 6 x parameters).
+    valid_dataset_provider(num_samples): the validation data, addressed like the training
+    data, evaluated every ``Training.eval_interval`` iterations (None: no evaluation)."""
 
     model_provider: ModelProvider
     dataset_provider: DatasetProvider
@@ -123,6 +133,7 @@ class MegatronProgram:
     seq_length: int = 0
     description: Mapping[str, Any] = field(default_factory=dict)
     flops_per_token: float = 0.0
+    valid_dataset_provider: DatasetProvider | None = None
 
     def build_model(self, pre_process: bool, post_process: bool) -> torch.nn.Module:
         import torch
@@ -167,6 +178,18 @@ class MegatronProgram:
         size = dataset_size(dataset)
         if size < 1:
             raise ProgramError("dataset_provider returned an empty data set")
+        return dataset
+
+    def build_valid_dataset(self, num_samples: int) -> Any:
+        """The validation data; a ProgramError when the program has none."""
+        if self.valid_dataset_provider is None:
+            raise ProgramError(
+                "training.eval_interval is set but the program has no validation data: pass"
+                " valid_dataset_provider to pretrain(), or set eval_interval to 0"
+            )
+        dataset = _user_call("valid_dataset_provider", self.valid_dataset_provider, num_samples)
+        if dataset_size(dataset) < 1:
+            raise ProgramError("valid_dataset_provider returned an empty data set")
         return dataset
 
     def describe(self) -> dict[str, Any]:

@@ -86,9 +86,12 @@ class LocalLink:
     def send(self, message: trainer_service_pb2.ConnectRequest) -> None:
         if message.HasField("iteration") and self._rank == 0:
             it = message.iteration
-            self._log.info(
-                "iteration %d: loss %.4f, %.3fs", it.iteration, it.loss, it.seconds, extra={"tokens": it.tokens}
-            )
+            extra: dict[str, object] = {"tokens": it.tokens, "learning_rate": it.learning_rate, **dict(it.metrics)}
+            if it.HasField("grad_norm"):
+                extra["grad_norm"] = it.grad_norm
+            if it.HasField("validation_loss"):
+                extra["validation_loss"] = it.validation_loss
+            self._log.info("iteration %d: loss %.4f, %.3fs", it.iteration, it.loss, it.seconds, extra=extra)
         elif message.HasField("error"):
             self._log.error("failed: %s", message.error.message)
 
@@ -278,6 +281,12 @@ def report_iteration(
     tokens: int,
     flops: float = 0.0,
     compute_seconds: float = 0.0,
+    *,
+    metrics: dict[str, float] | None = None,
+    learning_rate: float = 0.0,
+    grad_norm: float | None = None,
+    skipped: bool = False,
+    validation_loss: float | None = None,
 ) -> None:
     """One iteration's report, naming where the state came from on the first after a
     (re)start or a reform."""
@@ -291,7 +300,14 @@ def report_iteration(
         tokens=tokens,
         flops=flops,
         compute_seconds=compute_seconds,
+        metrics=metrics or {},
+        learning_rate=learning_rate,
+        skipped=skipped,
     )
+    if grad_norm is not None:
+        report.grad_norm = grad_norm
+    if validation_loss is not None:
+        report.validation_loss = validation_loss
     if run.source is not None:
         report.state_source, report.restored_iteration = run.source
         run.source = None
