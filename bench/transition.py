@@ -389,7 +389,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", default=f"{STEP_RANGE[0]}-{STEP_RANGE[1]}", help="range of failure iterations")
     parser.add_argument("--seed", type=int, default=0, help="seed of the drawn failure iterations")
     parser.add_argument(
-        "--model", default="gpt", help="gpt (the tiny GPT, default) or digits:WIDTH (the MLP; 1024 is 1.1M parameters)"
+        "--model",
+        default="gpt",
+        help="gpt (the tiny GPT, default), digits:WIDTH (the MLP; 1024 is 1.1M parameters) or llm:LAYERS:HIDDEN"
+        " (the GPT in bf16 with the distributed optimizer and dropout; llm:4:448 is 10M parameters)",
     )
     parser.add_argument("--no-baseline", action="store_true", help="skip the baseline (development only)")
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"JSON results (default {RESULTS})")

@@ -151,6 +151,7 @@ def with_defaults(spec: common_pb2.JobSpec) -> common_pb2.JobSpec:
     train.optimizer = train.optimizer or OPTIMIZER_DEFAULTS["optimizer"]
     train.precision = train.precision or OPTIMIZER_DEFAULTS["precision"]
     train.eval_iterations = train.eval_iterations or 1
+    train.checkpoint_format = train.checkpoint_format or OPTIMIZER_DEFAULTS["checkpoint_format"]
     for name in OPTIONAL_OPTIMIZER_SETTINGS:
         if not train.HasField(name):
             setattr(train, name, OPTIMIZER_DEFAULTS[name])
@@ -230,7 +231,9 @@ OPTIMIZER_DEFAULTS: dict[str, Any] = {
     "clip_grad": 1.0,
     "lr_wsd_decay_style": "linear",
     "precision": "fp32",
+    "checkpoint_format": "unicron",
 }
+CHECKPOINT_FORMATS = ("unicron", "megatron")
 PRECISIONS = ("fp32", "bf16", "fp16")
 # The spec's settings with presence: unset means the default, a set 0 is a 0.
 OPTIONAL_OPTIMIZER_SETTINGS = ("adam_beta1", "adam_beta2", "adam_eps", "sgd_momentum", "clip_grad")
@@ -253,6 +256,9 @@ TRAINING_CHECKED = (
     "clip_grad",
     "precision",
     "distributed_optimizer",
+    "checkpoint_format",
+    "initial_checkpoint",
+    "initial_checkpoint_weights_only",
 )
 
 
@@ -297,6 +303,16 @@ def training_problem(values: Mapping[str, Any]) -> tuple[str, str] | None:
             "must lie in [0, 1)",
         ),
         ("clip_grad", _finite_at_least(values["clip_grad"], 0), "must be a non-negative number (0: no clipping)"),
+        (
+            "checkpoint_format",
+            values["checkpoint_format"] in CHECKPOINT_FORMATS,
+            f"{values['checkpoint_format']!r} is not one of {', '.join(CHECKPOINT_FORMATS)}",
+        ),
+        (
+            "initial_checkpoint_weights_only",
+            bool(values["initial_checkpoint"]) or not values["initial_checkpoint_weights_only"],
+            "is set without an initial_checkpoint to take the weights from",
+        ),
         (
             "optimizer",
             not (values["distributed_optimizer"] and values["optimizer"] != "adam"),

@@ -79,6 +79,32 @@ def tiny_gpt(
     )
 
 
+def llm_gpt(name: str, layers: int, hidden: int, data: int = 2, iterations: int = 100_000) -> common_pb2.JobSpec:
+    """The GPT example configured as LLM teams train: bf16, Megatron's distributed optimizer,
+    dropout 0.1, Adam's beta2 0.95; ``layers`` x ``hidden`` sets its size (4 x 448: 10M
+    parameters; 8 x 1024: 102M, with a 1024-token vocabulary and 64-token sequences)."""
+    heads = max(1, hidden // 64)
+    program = gpt_program(layers, hidden, heads, 64, 1024, hidden_dropout=0.1, attention_dropout=0.1)
+    return jobspec.normalized(
+        jobspec.spec_from_dict(
+            {
+                "name": name,
+                "program": program,
+                "parallelism": {"data": data},
+                "training": {
+                    "iterations": iterations,
+                    "global_batch_size": 8,
+                    "micro_batch_size": 2,
+                    "seed": 3,
+                    "precision": "bf16",
+                    "distributed_optimizer": True,
+                    "adam_beta2": 0.95,
+                },
+            }
+        )
+    )
+
+
 def digits_mlp(
     name: str, data: int = 2, hidden: int = 1024, iterations: int = 100_000, seed: int = 3
 ) -> common_pb2.JobSpec:

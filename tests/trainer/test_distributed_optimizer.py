@@ -34,7 +34,7 @@ def _copy(state: dict) -> dict:
 
 
 @pytest.mark.usefixtures("world1")
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_a_state_reloaded_trains_on_bit_identically(precision: str) -> None:
     training = replace(DISTRIBUTED, precision=precision)
     trainer = _trainer(training)

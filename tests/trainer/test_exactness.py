@@ -275,11 +275,19 @@ def _assert_shrink_source(references: dict[str, Any], agent: ReformAgent, key: P
 def test_a_shrink_is_exact_against_one_rank(references: dict[str, Any], tmp_path: Path) -> None:
     """DP 2 -> 1 at iteration 6 (rank 1 exits; rank 0 reforms alone): the updates are those of
     one rank with the whole global batch, so the parameters equal a DP 1 run's."""
+    spec = references["spec"](checkpoint_interval=_shrink_interval(references))
+    root, agent = _shrink(spec, tmp_path)
+    assert [r.generation for r in agent.of((1, 0), "iteration")][5] == 2
+    _assert_shrink_source(references, agent, (1, 0))
+    assert_within(root, *resize_bound(references))
+
+
+def _shrink(spec: common_pb2.JobSpec, tmp_path: Path) -> tuple[Path, ReformAgent]:
+    """DP 2 -> 1 at iteration 6: rank 1 exits, rank 0 reforms alone and trains to the end."""
     port, new_port = free_port(), free_port()
     root = tmp_path / "ckpt"
     agent = ReformAgent({(1, 0): 0}, generation=2, world_size=1, port=new_port, when=ReformAgent.any_error)
     exits = trainer_env(fault_injection=True, faults=("exit@6",))
-    spec = references["spec"](checkpoint_interval=_shrink_interval(references))
     try:
         ranks = [
             start_trainer(agent.address, spec, r, 2, port, tmp_path, 1, root, exits if r else None) for r in (0, 1)
@@ -289,9 +297,48 @@ def test_a_shrink_is_exact_against_one_rank(references: dict[str, Any], tmp_path
     finally:
         agent.stop()
     assert result.returncode == 0, result.log[-3000:]
-    assert [r.generation for r in agent.of((1, 0), "iteration")][5] == 2
+    return root, agent
+
+
+def test_a_shrink_reshards_a_megatron_checkpoint(references: dict[str, Any], tmp_path: Path) -> None:
+    """The shrink of the distributed optimizer's job again, its persistent checkpoints in
+    Megatron-Core's distributed format: the survivor reshards the DP 2 checkpoint of iteration
+    5 through ``dist_checkpointing.load`` (dp_reshardable) and ends within the same bound."""
+    if not references["distributed"]:
+        pytest.skip("the replicated optimizer's shrink keeps the live state")
+    spec = references["spec"](checkpoint_interval=5)
+    spec.training.checkpoint_format = "megatron"
+    root, agent = _shrink(spec, tmp_path)
     _assert_shrink_source(references, agent, (1, 0))
-    assert_within(root, *resize_bound(references))
+    assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == str(ITERATIONS)
+    # Against a failure-free DP 1 run in the same format: the fp32 main parameters, as the
+    # checkpoint holds them (the optimizer's buckets), within the bound the resizes keep.
+    plain = FakeAgent()
+    try:
+        results = run_ranks(plain, spec, 1, tmp_path / "reference", tmp_path / "reference-ckpt")
+    finally:
+        plain.stop()
+    assert results[0].returncode == 0, results[0].log[-3000:]
+    _, bound = resize_bound(references)
+    got = megatron_main_buckets(root / f"iter_{ITERATIONS:07d}")
+    want = megatron_main_buckets(tmp_path / "reference-ckpt" / f"iter_{ITERATIONS:07d}")
+    worst = relative_difference(got, want)
+    print(f"shrink through a Megatron checkpoint: main parameters {worst:.3e} from DP 1's (bound {bound:.3e})")
+    assert worst <= bound, f"the main parameters differ by {worst:.2e} relative, over the bound {bound:.2e}"
+
+
+def megatron_main_buckets(directory: Path) -> dict[str, Any]:
+    """The distributed optimizer's fp32 main parameters in a Megatron-format checkpoint, one
+    flat tensor per bucket, read with torch's own DCP converter (no process group needed)."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = directory.parent / f"{directory.name}.pt"
+    dcp_to_torch_save(directory, out)
+    state = torch.load(out, weights_only=False)
+    buckets = {k: v for k, v in state.items() if k.startswith("optimizer.") and k.endswith(".param")}
+    assert buckets and sum(v.numel() for v in buckets.values()) > 1_000_000
+    return buckets
 
 
 def test_a_grow_is_exact_against_one_rank(references: dict[str, Any], tmp_path: Path) -> None:

@@ -246,6 +246,8 @@ def _with_training(**values: object) -> common_pb2.JobSpec:
         ({"clip_grad": -1.0}, "spec.training.clip_grad"),
         ({"clip_grad": float("inf")}, "spec.training.clip_grad"),
         ({"optimizer": "sgd", "distributed_optimizer": True}, "spec.training.optimizer"),
+        ({"checkpoint_format": "nemo"}, "spec.training.checkpoint_format"),
+        ({"initial_checkpoint_weights_only": True}, "spec.training.initial_checkpoint_weights_only"),
         ({"lr_decay_style": "WSD"}, "spec.training.lr_wsd_decay_iterations"),  # WSD needs its anneal
         ({"lr_decay_style": "WSD", "lr_wsd_decay_iterations": 61}, "spec.training.lr_wsd_decay_iterations"),
         (

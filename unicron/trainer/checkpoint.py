@@ -241,8 +241,15 @@ def list_complete(root: str | Path) -> list[int]:
     return sorted((i for i, d in _iteration_dirs(root).items() if (d / MANIFEST).is_file()), reverse=True)
 
 
-def read_manifest(root: str | Path, iteration: int) -> dict[str, Any]:
-    path = iteration_dir(root, iteration) / MANIFEST
+def found_dir(root: str | Path, iteration: int) -> Path:
+    """The directory of checkpoint ``iteration`` as it lies on disk (Unicron's own format names
+    it with 8 digits, Megatron's with 7), or where Unicron's format would put it."""
+    return _iteration_dirs(root).get(iteration) or iteration_dir(root, iteration)
+
+
+def read_manifest(root: str | Path, iteration: int, expected_format: object = FORMAT) -> dict[str, Any]:
+    """Checkpoint ``iteration``'s manifest, which must be of ``expected_format``."""
+    path = found_dir(root, iteration) / MANIFEST
     try:
         manifest = json.loads(path.read_bytes())
     except FileNotFoundError:
@@ -251,8 +258,8 @@ def read_manifest(root: str | Path, iteration: int) -> dict[str, Any]:
         raise CheckpointError(f"manifest unreadable: {exc}") from None
     if not isinstance(manifest, dict):
         raise CheckpointError(f"manifest is not a JSON object: {manifest!r:.80}")
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"manifest has an unknown format {manifest.get('format')!r}")
+    if manifest.get("format") != expected_format:
+        raise CheckpointError(f"manifest is of the format {manifest.get('format')!r}, not {expected_format!r}")
     if manifest.get("iteration") != iteration:
         raise CheckpointError(f"manifest names iteration {manifest.get('iteration')}, its directory {iteration}")
     return manifest
@@ -292,7 +299,7 @@ def _read_file(root: str | Path, iteration: int, manifest: dict[str, Any], file:
     entry = manifest.get("shards", {}).get(file.removesuffix(".pt"))
     if not isinstance(entry, dict):
         raise CheckpointError(f"the manifest lists no shard {file.removesuffix('.pt')}")
-    path = iteration_dir(root, iteration) / str(entry.get("file"))
+    path = found_dir(root, iteration) / str(entry.get("file"))
     try:
         data = path.read_bytes()
     except OSError as exc:
@@ -356,6 +363,11 @@ def written_by_unicron(directory: Path) -> bool:
     except (OSError, ValueError):
         return False
     return isinstance(manifest, dict) and manifest.get("format") == FORMAT and "shards" in manifest
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """``data`` as the whole of ``path`` (a temp file, fsync, rename, fsync of the directory)."""
+    _atomic_write(path, data)
 
 
 def prune(root: str | Path, newest: int, keep: int = KEEP) -> list[int]:

@@ -100,7 +100,7 @@ def load(optimizer: Any, model: torch.nn.Module, state: dict[str, Any]) -> None:
             if not isinstance(target, torch.Tensor) or target.numel() != value.numel():
                 raise ValueError(f"optimizer state {key!r} of {name} has no place in this optimizer")
     optimizer.load_state_dict(state["optimizer"])
-    _unshare_steps(optimizer)
+    unshare_steps(optimizer)
     for part, param, name, *_ in owned:
         main, optim_state = _state_of(part, param)
         for key, value in tensors[name].items():
@@ -108,7 +108,7 @@ def load(optimizer: Any, model: torch.nn.Module, state: dict[str, Any]) -> None:
             target.view(-1).copy_(value)
 
 
-def _unshare_steps(optimizer: Any) -> None:
+def unshare_steps(optimizer: Any) -> None:
     """Megatron's load_state_dict (without Apex or Transformer Engine, as on CPU) gives every
     parameter the *same* "step" tensor, and torch's Adam increments each parameter's step in
     place: after a load the shared step would advance once per parameter per iteration, and
@@ -119,3 +119,21 @@ def _unshare_steps(optimizer: Any) -> None:
             step = state.get("step")
             if isinstance(step, torch.Tensor):
                 state["step"] = step.clone()
+
+
+def steps_from_groups(optimizer: Any) -> None:
+    """After Megatron loads a sharded (dist_checkpointing) optimizer state: the Adam step count
+    it restored into each parameter group's "step", given to each parameter's own state, whose
+    "step" the load leaves at the template's 0 (seen with Megatron-Core 0.16.1's dp_reshardable
+    layout: the first update after a restore then used step 1's bias correction)."""
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(part, "optimizer", None)
+        if inner is None:
+            continue
+        for group in inner.param_groups:
+            if "step" not in group:
+                continue
+            for param in group["params"]:
+                state = inner.state.get(param)
+                if state and isinstance(state.get("step"), torch.Tensor):
+                    state["step"] = torch.tensor(float(group["step"]), dtype=state["step"].dtype)

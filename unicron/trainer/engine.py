@@ -42,9 +42,17 @@ from megatron.core.distributed import DistributedDataParallel, finalize_model_gr
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
+from megatron.core.utils import unwrap_model
 
 from unicron.trainer import distributed_optimizer, step_report
-from unicron.trainer.megatron_settings import ddp_config, keyed_seed, optimizer_config, param_scheduler
+from unicron.trainer.megatron_settings import (
+    ddp_config,
+    keyed_seed,
+    optimizer_config,
+    param_scheduler,
+    rng_states,
+    set_rng_states,
+)
 from unicron.trainer.optimizer_shards import SHARD_KEY
 
 
@@ -253,7 +261,7 @@ class MegatronTrainer:
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
-            "rng": _rng_states(),
+            "rng": rng_states(),
         }
         if self.training.distributed_optimizer:
             state[SHARD_KEY] = distributed_optimizer.shard(
@@ -278,9 +286,36 @@ class MegatronTrainer:
             if "scheduler" in state:
                 self.scheduler.load_state_dict(state["scheduler"])
             if "rng" in state:
-                _set_rng_states(state["rng"])
+                set_rng_states(state["rng"])
             self.discard_step()
         self._iteration = int(state["iteration"])
+
+    def sharded_state(self, is_loading: bool = False, weights_only: bool = False) -> dict[str, Any]:
+        """This rank's part of the job's state as Megatron-Core's sharded state dicts (what
+        Megatron-LM passes to ``dist_checkpointing``): the unwrapped model's, and its optimizer's
+        (data-parallel reshardable under the distributed optimizer) unless ``weights_only``."""
+        with cpu_mode(self._device):
+            model = unwrap_model(self.model).sharded_state_dict()
+            if weights_only:
+                return {"model": model}
+            metadata = (
+                {"distrib_optim_sharding_type": "dp_reshardable"} if self.training.distributed_optimizer else None
+            )
+            optimizer = self.optimizer.sharded_state_dict(model, is_loading=is_loading, metadata=metadata)
+        return {"model": model, "optimizer": optimizer}
+
+    def load_sharded(self, loaded: dict[str, Any], weights_only: bool = False) -> None:
+        """Continues from what ``dist_checkpointing.load`` returned for ``sharded_state(True)``:
+        the model, and unless ``weights_only`` the optimizer, the LR schedule and the iteration
+        (``opt_param_scheduler`` and ``iteration``, as Megatron-LM saves them)."""
+        with cpu_mode(self._device):
+            unwrap_model(self.model).load_state_dict(loaded["model"], strict=True)
+            if not weights_only:
+                self.optimizer.load_state_dict(loaded["optimizer"])
+                distributed_optimizer.steps_from_groups(self.optimizer)
+                self.scheduler.load_state_dict(loaded["opt_param_scheduler"])
+            self.discard_step()
+        self._iteration = 0 if weights_only else int(loaded["iteration"])
 
     @property
     def step_is_redoable(self) -> bool:
@@ -566,22 +601,6 @@ class MegatronTrainer:
         go with the next ``gc.collect()``."""
         self.close()
         del self.model, self.optimizer, self.scheduler
-
-
-def _rng_states() -> dict[str, Any]:
-    states: dict[str, Any] = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        states["cuda"] = torch.cuda.get_rng_state()
-    states["tracker"] = tensor_parallel.get_cuda_rng_tracker().get_states()
-    return states
-
-
-def _set_rng_states(states: dict[str, Any]) -> None:
-    torch.set_rng_state(states["torch"])
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state(states["cuda"])
-    if states.get("tracker"):
-        tensor_parallel.get_cuda_rng_tracker().set_states(states["tracker"])
 
 
 def _data_parallel(training: Training) -> int:

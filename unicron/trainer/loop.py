@@ -62,6 +62,9 @@ def training_of(spec: common_pb2.JobSpec) -> Training:
         eval_interval=t.eval_interval,
         eval_iterations=t.eval_iterations or 1,
         tensorboard_dir=t.tensorboard_dir,
+        checkpoint_format=t.checkpoint_format or OPTIMIZER_DEFAULTS["checkpoint_format"],
+        initial_checkpoint=t.initial_checkpoint,
+        initial_checkpoint_weights_only=t.initial_checkpoint_weights_only,
         **{name: getattr(t, name) for name in OPTIONAL_OPTIMIZER_SETTINGS if t.HasField(name)},
     )
 
@@ -91,6 +94,8 @@ def local_spec(training: Training) -> common_pb2.JobSpec:
     t.distributed_optimizer = training.distributed_optimizer
     t.eval_interval, t.eval_iterations = training.eval_interval, training.eval_iterations
     t.tensorboard_dir = training.tensorboard_dir
+    t.checkpoint_format, t.initial_checkpoint = training.checkpoint_format, training.initial_checkpoint
+    t.initial_checkpoint_weights_only = training.initial_checkpoint_weights_only
     for name in OPTIONAL_OPTIMIZER_SETTINGS:
         setattr(t, name, getattr(training, name))
     return spec
@@ -117,7 +122,7 @@ def train(run: Run, program: MegatronProgram) -> None:
     import torch
     import torch.distributed as dist
 
-    from unicron.trainer import checkpoint
+    from unicron.trainer import persistent
     from unicron.trainer import reform as reforming
     from unicron.trainer import snapshot as snapshots
 
@@ -162,7 +167,7 @@ def train(run: Run, program: MegatronProgram) -> None:
             finishing, resume = resume, None
             try:
                 if save_due:
-                    run.durability.checkpointed(trainer.iteration, checkpoint.save(trainer, config.checkpoint_dir))
+                    run.durability.checkpointed(trainer.iteration, persistent.save(trainer, config.checkpoint_dir))
                     save_due = False
                 run.injector.before_step(run.iteration + 1)
                 result = next_step(trainer, finishing, log)
@@ -198,7 +203,7 @@ def train(run: Run, program: MegatronProgram) -> None:
             save_due = bool(config.checkpoint_dir) and run.iteration % interval == 0
             writer.after_iteration(trainer)
         if save_due and not run.stop.is_set():  # a stopped rank owes no collective
-            run.durability.checkpointed(trainer.iteration, checkpoint.save(trainer, config.checkpoint_dir))
+            run.durability.checkpointed(trainer.iteration, persistent.save(trainer, config.checkpoint_dir))
         scalars.close()
         trainer.close()
     except BaseException as exc:

@@ -1,6 +1,7 @@
 """The runtime's training settings (``Training``) as Megatron-Core's own objects: the DDP and
 optimizer configs and the LR scheduler, built the way Megatron-LM's ``pretrain()`` builds them
-from its flags; and the seeds of a forward pass's random draws.
+from its flags; the seeds of a forward pass's random draws, and the RNG states a state copy
+carries.
 
 Import after ``unicron.trainer.megatron_cpu`` (the engine does), so the shim's warning filters
 see Megatron's import-time warnings."""
@@ -11,6 +12,7 @@ import hashlib
 from typing import Any
 
 import torch
+from megatron.core import tensor_parallel
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -76,3 +78,19 @@ def keyed_seed(seed: int, iteration: int, first_sample: int, pipeline_stage: int
     was drawn before. 62 bits, so that Megatron's per-rank offsets stay within a seed's range."""
     key = f"{seed}:{iteration}:{first_sample}:{pipeline_stage}".encode()
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") & ((1 << 62) - 1)
+
+
+def rng_states() -> dict[str, Any]:
+    states: dict[str, Any] = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state()
+    states["tracker"] = tensor_parallel.get_cuda_rng_tracker().get_states()
+    return states
+
+
+def set_rng_states(states: dict[str, Any]) -> None:
+    torch.set_rng_state(states["torch"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["cuda"])
+    if states.get("tracker"):
+        tensor_parallel.get_cuda_rng_tracker().set_states(states["tracker"])

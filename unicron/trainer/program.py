@@ -48,7 +48,9 @@ class Training:
     distributed_optimizer: Megatron's distributed optimizer (Adam's state sharded over the
     data-parallel ranks). eval_interval: evaluate on the program's validation data every this
     many iterations (0: never), over eval_iterations global batches. tensorboard_dir: rank 0
-    writes TensorBoard event files there ("": none)."""
+    writes TensorBoard event files there ("": none). checkpoint_format: "unicron" or "megatron"
+    (Megatron-Core's distributed checkpoint). initial_checkpoint: a Megatron-LM checkpoint to
+    start from (initial_checkpoint_weights_only: its weights only)."""
 
     iterations: int = 100
     global_batch_size: int = 8
@@ -77,6 +79,9 @@ class Training:
     eval_interval: int = 0
     eval_iterations: int = 1
     tensorboard_dir: str = ""
+    checkpoint_format: str = OPTIMIZER_DEFAULTS["checkpoint_format"]
+    initial_checkpoint: str = ""
+    initial_checkpoint_weights_only: bool = False
 
     def __post_init__(self) -> None:
         for name in ("iterations", "global_batch_size", "micro_batch_size", "tensor_parallel", "pipeline_parallel"):

@@ -160,6 +160,11 @@ class Session:
             run = runtime.attach_local(loop.local_spec(training or Training()), checkpoint_dir)
         self._run = run
         self.training = loop.training_of(run.spec) if run.supervised else (training or Training())
+        if self.training.checkpoint_format != "unicron" or self.training.initial_checkpoint:
+            raise ProgramError(
+                "training.checkpoint_format megatron and training.initial_checkpoint need a Megatron-Core program"
+                " (pretrain); a Session's state is checkpointed in Unicron's format"
+            )
         if self.training.tensor_parallel != 1 or self.training.pipeline_parallel != 1:
             raise ProgramError("the plain PyTorch level is data-parallel only (tensor and pipeline parallel 1)")
         self._device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from unicron.trainer import checkpoint, tensor_bytes
+from unicron.trainer import checkpoint, persistent, tensor_bytes
 
 if TYPE_CHECKING:
     from unicron.trainer.protocol import Trainer
@@ -275,12 +275,11 @@ def restore(trainer: Trainer, root: str | Path, newer_than: int = 0) -> checkpoi
 def restore_nearest(trainer: Trainer, checkpoint_dir: str = "", snapshot_dir: str = "") -> checkpoint.Restored:
     """Collective: the state of a rank without a live peer to take it from, nearest first: the
     node's in-memory snapshot when it is newer than the newest persistent checkpoint, else the
-    checkpoint, else a fresh model."""
+    checkpoint (in the job's format), else the checkpoint the job starts from, else a fresh
+    model."""
     if snapshot_dir:
         newest = max(checkpoint.list_complete(checkpoint_dir), default=0) if checkpoint_dir else 0
         restored = restore(trainer, snapshot_dir, newer_than=newest)
         if restored is not None:
             return restored
-    if checkpoint_dir:
-        return checkpoint.restore(trainer, checkpoint_dir)
-    return checkpoint.Restored(checkpoint.SOURCE_FRESH, 0)
+    return persistent.restore(trainer, checkpoint_dir)
