@@ -231,8 +231,8 @@ class UnicronSide:
         last iteration -> the first at the new size), the preparation (the re-plan's
         assignment -> that first iteration), and what the new rank's state cost (it comes
         from a live peer: nothing recomputed)."""
-        shrink = f"shrink {sample.size_before}->{sample.size_after} in {sample.transition_s}s"
-        sample.chain.append(shrink)
+        # Kept apart from the chain, whose entries beyond the first are follow-up incidents.
+        sample.preceded_by = f"shrink {sample.size_before}->{sample.size_after} in {sample.transition_s}s"
         self.ensure_nodes_ready()
         deadline = time.monotonic() + self.settings.recovery_timeout_s
         reached: dict[int, float] = {}  # iteration -> when the coordinator recorded it

@@ -256,6 +256,8 @@ class Sample:
     # Every incident from the failure to the resume, "KIND:remedy" (more than one: a remedy
     # failed and a follow-up incident got another), and the remedy that brought the job back.
     chain: list[str] = field(default_factory=list)
+    # A grow sample's shrink, which the grow measured here follows (not a failed remedy).
+    preceded_by: str = ""
     resumed_by: str = ""
     transition_s: float | None = None  # the job's first resume after the incident - incident.detected
     cost_transition_s: float | None = None  # incident.cost.transition_seconds (set when it resumed itself)
