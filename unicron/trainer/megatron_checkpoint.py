@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from unicron import lifetime
 from unicron.trainer import checkpoint
 from unicron.trainer.megatron_cpu import cpu_mode
 from unicron.trainer.program import ProgramError
@@ -103,6 +104,22 @@ def _quiet_overwrite() -> Iterator[None]:
         logger.removeFilter(quiet)
 
 
+_MANAGERS: list[Any] = []  # kept alive as long as the process
+
+
+def _results_queue_dies_with_us() -> None:
+    """Megatron-Core's checkpoint writer keeps its results queue in a multiprocessing manager
+    it starts at a process's first save and never stops: a trainer that is killed, or exits
+    through os._exit, leaves that process running (seen: three left over from test runs).
+    Started here instead, the manager dies with the trainer (``unicron.lifetime``)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", None) is None:
+        manager = lifetime.start_manager()
+        _MANAGERS.append(manager)
+        filesystem_async._results_queue = manager.Queue()
+
+
 def _flag(ok: bool) -> bool:
     """Collective: whether ``ok`` holds on every rank."""
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=checkpoint.flag_device())
@@ -143,6 +160,7 @@ def save(trainer: Any, root: str | Path) -> str:
         "unicron_layout": checkpoint.layout_of(trainer).as_dict(),
     }
     try:
+        _results_queue_dies_with_us()
         with cpu_mode(trainer.device), _quiet_overwrite():
             dist_checkpointing.save(state, str(directory))
     except Exception as exc:  # noqa: BLE001 - a failed checkpoint is logged; training goes on
