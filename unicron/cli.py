@@ -405,7 +405,7 @@ def build_parser(simulate: bool = False) -> argparse.ArgumentParser:
     if simulate:
         from unicron_sim import cli as simulate_cli
 
-        simulate_cli.add_parser(sub)
+        simulate_cli.add_parser(sub, SIMULATE_HELP)
     else:
         # The simulator loads the planner and the solver: only `unicron simulate` pays for it.
         sub.add_parser("simulate", help=SIMULATE_HELP, add_help=False)

@@ -9,16 +9,16 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import unicron_sim as sim
-from unicron.cli import SIMULATE_HELP
 from unicron.errors import InvalidArgument
 from unicron_sim import report, strategies, traces
 
 
-def add_parser(sub: Any) -> None:
-    """Adds the `simulate` subcommand to the CLI's subparsers."""
+def add_parser(sub: Any, help_text: str) -> None:
+    """Adds the `simulate` subcommand to the CLI's subparsers (``help_text``: the one line the
+    CLI's own help shows for it, which it keeps without loading the simulator)."""
     cmd = sub.add_parser(
         "simulate",
-        help=SIMULATE_HELP,
+        help=help_text,
         description="Presets: "
         + "; ".join(f"{p.name} ({p.description})" for p in traces.PRESETS.values())
         + ". Strategies: "

@@ -17,11 +17,9 @@ import logging
 import os
 import shutil
 import signal
-import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -32,14 +30,14 @@ from services.agent.executor import CommandExecutor, Parts
 from services.agent.health import HealthCheck, HealthFinding, run_checks
 from services.agent.health_watch import HealthWatch
 from services.agent.log_service import LogService
+from services.agent.settings import AgentSettings
 from services.agent.spares import SparePool
 from services.agent.supervisor import Supervisor, WorkerExit, WorkerKey, without_node_secrets
 from services.agent.trainer_link import LinkHandlers, Rejected, TrainerLink
-from services.agent.trainer_user import TrainerUser
 from services.agent.verdicts import HangJudge
 from services.agent.watch import JobWatch
 from unicron import rpc
-from unicron.monitor import Finding, MonitorSettings, ReportRejected
+from unicron.monitor import Finding, ReportRejected
 from unicron.security import ClientSecurity, WorkerTokens
 from unicron.v1 import agent_service_pb2_grpc, common_pb2, trainer_service_pb2, trainer_service_pb2_grpc
 from unicron.v1 import node_service_pb2 as pb
@@ -54,48 +52,6 @@ STACK_WAIT_S = 0.1
 STACK_BYTES = 16 * 1024
 # How long a clean exit's report waits for the rank's last messages to be handled.
 DRAIN_S = 2.0
-
-
-@dataclass(frozen=True)
-class AgentSettings:
-    node_id: str
-    slots: int
-    failure_domain: str
-    work_dir: Path
-    checkpoint_dir: Path | None = None
-    # Where this node's trainers keep in-memory snapshots of their state (a directory per
-    # job; a tmpfs such as /dev/shm). None: no snapshots.
-    snapshot_dir: Path | None = None
-    stop_grace_s: float = 5.0
-    fault_injection: bool = False
-    monitoring: bool = True
-    health_period_s: float = 5.0
-    # How long every health check must have passed, after a shortage (disk, memory) was
-    # found, before the agent registers again and so returns its node from isolation.
-    health_return_s: float = 60.0
-    monitor: MonitorSettings = field(default_factory=MonitorSettings)
-    trainer_command: tuple[str, ...] = (sys.executable, "-m", "services.trainer")
-    # Trainer processes kept ready (torch and Megatron imported) for ranks that start: a
-    # restart then skips seconds of imports. Each costs the memory of an idle trainer.
-    warm_spares: int = 0
-    # At start, the longest the agent waits for its spares to be warm before it registers: a
-    # job that grows onto the node then takes a spare, and its kept ranks do not wait in the
-    # new group while a cold process imports torch (10-25 s measured). 0: register at once.
-    spare_warmup_s: float = 60.0
-    spare_command: tuple[str, ...] = (sys.executable, "-m", "services.trainer.spare")
-    # How trainers reach this agent (unicron.trainer.settings.trainer_env: the CA that signed
-    # the agent's certificate, or plaintext; never the agent's key), and where: a port of its
-    # own that asks for no client certificate ("": the agent's address).
-    trainer_env: Mapping[str, str] = field(default_factory=dict)
-    trainer_address: str = ""
-    # The node's GPU ids, one per slot (empty: no GPUs); a trainer sees its slot's alone.
-    gpus: tuple[str, ...] = ()
-    # The container image this agent and its trainers run in ("" when none is named).
-    image: str = ""
-    # The interface the trainers' collectives use ("": the libraries' own choice).
-    data_interface: str = ""
-    # Whom trainers run as (trainer_user.py); None: the agent's own user.
-    trainer_user: TrainerUser | None = None
 
 
 def trainer_base_env(home: Path | None = None) -> dict[str, str]:

@@ -30,7 +30,7 @@ from unicron.v1 import common_pb2, trainer_service_pb2
 from unicron.v1 import node_service_pb2 as pb
 
 if TYPE_CHECKING:
-    from services.agent.agent import AgentSettings
+    from services.agent.settings import AgentSettings
 
 log = logging.getLogger(__name__)
 
