@@ -39,7 +39,7 @@ compose-v1:
 demo: gen redis
 	$(PY) -m unicron_dev.demo
 
-# A development CA, certificates and tokens in run/certs (see README, Security):
+# A development CA, certificates and tokens in run/certs (see docs/security.md):
 # `make certs NODES=n1,n2 USERS=admin:admin,alice HOSTS=myhost`.
 NODES ?= $(shell hostname)
 USERS ?= admin:admin

@@ -618,6 +618,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE if exc.code in BAD_INPUT else EXIT_FAILED
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader left (`unicron get ... | head`): what is left unwritten goes nowhere, and
+        # Python's own flush at exit must not fail on the closed pipe with a traceback.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_FAILED
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
-from services.coordinator.store import IncidentUpdate, JobMutation, JobWrite, storable
+from services.coordinator.store import IncidentUpdate, JobMutation, JobWrite, holds_its_name, storable
 from unicron.errors import AlreadyExists, NotFound
 from unicron.v1 import common_pb2, node_service_pb2
 
@@ -69,7 +69,7 @@ class MemoryStore:
     def create_job(self, job: common_pb2.Job, event: common_pb2.JobEvent) -> common_pb2.Job:
         with self._lock:
             existing = self._names.get(job.spec.name)
-            if existing is not None:
+            if existing is not None and holds_its_name(common_pb2.Job.FromString(self._jobs[existing])):
                 raise AlreadyExists(f"a job named {job.spec.name!r} already exists ({existing})")
             job.version = 1
             self._names[job.spec.name] = job.job_id

@@ -44,7 +44,7 @@ from services.coordinator.redis_keys import (
     node_key,
     progress_key,
 )
-from services.coordinator.store import JobWrite, storable
+from services.coordinator.store import JobWrite, holds_its_name, storable
 from unicron.errors import AlreadyExists, Conflict, NotFound, Unavailable
 from unicron.v1 import common_pb2, node_service_pb2
 
@@ -177,7 +177,8 @@ class RedisStore:
 
     @redis_errors
     def create_job(self, job: common_pb2.Job, event: common_pb2.JobEvent) -> common_pb2.Job:
-        """Stores a new job; ALREADY_EXISTS if its name is taken. Atomic: name, job, index
+        """Stores a new job; ALREADY_EXISTS if its name is held by a job that has not ended.
+        Atomic: name, job, index
         and first event are written together or not at all."""
         taken = name_key(job.spec.name)
         for _ in _attempts():
@@ -186,7 +187,12 @@ class RedisStore:
                     self._watch(pipe, taken)
                     existing = pipe.get(taken)
                     if existing is not None:
-                        raise AlreadyExists(f"a job named {job.spec.name!r} already exists ({existing.decode()})")
+                        # Watched too: the holder ending (or not) between check and write is
+                        # a concurrent change, and the check runs again.
+                        pipe.watch(job_key(existing.decode()))
+                        holder = pipe.get(job_key(existing.decode()))
+                        if holder is None or holds_its_name(common_pb2.Job.FromString(holder)):
+                            raise AlreadyExists(f"a job named {job.spec.name!r} already exists ({existing.decode()})")
                     job.version = 1
                     pipe.multi()
                     pipe.set(taken, job.job_id)

@@ -362,6 +362,8 @@ class Reports:
             if not moved:
                 return None
             state.transition(job, target, now, reason)
+            if target == state.SUCCEEDED:
+                transitions.finished(job, now)
             return JobWrite([event(job, EventType.JOB_EVENT_TYPE_STATE_CHANGED, now, reason)])
 
         job = self._ctx.store.update_job(job_id, mutate)

@@ -38,7 +38,7 @@ class Store(Protocol):
     # ---- jobs: NotFound for an unknown id; a job is found by its id or its name ----------
     def create_job(self, job: common_pb2.Job, event: common_pb2.JobEvent) -> common_pb2.Job:
         """Stores a new job at version 1 with its first event; AlreadyExists when its name
-        is taken."""
+        is held by a job that has not ended (``holds_its_name``)."""
 
     def get_job(self, job_id: str) -> common_pb2.Job: ...
 
@@ -120,6 +120,16 @@ class Store(Protocol):
 
     def wait_for_commands(self, cursors: Mapping[str, str], block_ms: int) -> dict[str, str]:
         """Waits for a command after any node's cursor; returns those nodes' newest ids."""
+
+
+_ENDED = frozenset({common_pb2.JOB_STATE_SUCCEEDED, common_pb2.JOB_STATE_FAILED, common_pb2.JOB_STATE_CANCELLED})
+
+
+def holds_its_name(job: common_pb2.Job) -> bool:
+    """Whether a job keeps its name from a new submission: until it ended. A user resubmits
+    ``my-run`` after a cancel; the ended job stays reachable by its id, the name then finds
+    the new one."""
+    return job.state not in _ENDED
 
 
 def storable(identifier: str) -> bool:

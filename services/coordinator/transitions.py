@@ -124,6 +124,14 @@ def acknowledge(job: common_pb2.Job, node_id: str, generation: int, ok: bool, er
     return False
 
 
+def finished(job: common_pb2.Job, now: float) -> None:
+    """Every rank of the job exited 0 after its last iteration: its workers are stopped (no
+    command: nothing is left to stop), so an ended job never lists a worker as running."""
+    for worker in job.workers:
+        if worker.state not in (state.WORKER_STOPPED, state.WORKER_FAILED):
+            state.move_worker(worker, state.WORKER_STOPPED, now, "the ranks finished")
+
+
 def mark_running(job: common_pb2.Job, node_id: str, now: float) -> bool:
     """The node's ranks of the current generation reported an iteration."""
     for worker in job.workers:

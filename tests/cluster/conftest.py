@@ -91,7 +91,7 @@ def assert_exact(cluster: NetCluster, job: common_pb2.Job, reference: dict[str, 
 
 
 # What each fault test measured (detection and recovery seconds), printed after the run: the
-# README's table of outcomes comes from here.
+# table of outcomes in docs/cluster-tests.md comes from here.
 OUTCOMES: list[dict[str, object]] = []
 
 

@@ -67,6 +67,21 @@ def test_a_job_is_found_by_id_and_by_name_and_names_are_unique(store: Store) -> 
     assert [event.message for _, event in store.read_events("j1", "0-0", block_ms=0)] == ["submitted"]
 
 
+def test_a_name_is_free_again_once_its_job_ended(store: Store) -> None:
+    store.create_job(*new_job("j1", "alpha"))
+
+    def cancel(job: common_pb2.Job) -> JobWrite:
+        job.state = common_pb2.JOB_STATE_CANCELLED
+        return JobWrite([])
+
+    store.update_job("j1", cancel)
+    store.create_job(*new_job("j2", "alpha", created_s=2.0))
+    assert store.get_job("alpha").job_id == "j2"  # the name finds the new job
+    assert store.get_job("j1").state == common_pb2.JOB_STATE_CANCELLED  # the old one, by its id
+    with pytest.raises(AlreadyExists):
+        store.create_job(*new_job("j3", "alpha"))  # j2 has not ended
+
+
 def test_jobs_are_listed_newest_first(store: Store) -> None:
     for job_id, created in [("j1", 1.0), ("j2", 3.0), ("j3", 2.0)]:
         store.create_job(*new_job(job_id, f"name-{job_id}", created))

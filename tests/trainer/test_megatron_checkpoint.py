@@ -184,3 +184,37 @@ def test_a_missing_or_foreign_initial_checkpoint_fails_naming_it(
             persistent.restore(trainer, "")
     finally:
         trainer.release()
+
+
+@pytest.mark.usefixtures("world1")
+def test_another_programs_tracker_is_left_as_it_is(saved: tuple[Path, list[float], dict], tmp_path: Path) -> None:
+    """Megatron-LM saving into the same directory keeps its tracker: it names its own newest
+    checkpoint, which it reads back; Unicron's checkpoints are found by their manifests."""
+    root, _, _ = saved
+    shared = _as_megatron_wrote_it(root, tmp_path / "shared")
+    trainer = _trainer()
+    try:
+        persistent.restore(trainer, root)
+        trainer.step()
+        assert megatron_checkpoint.save(trainer, shared) == ""
+    finally:
+        trainer.release()
+    assert (shared / "latest_checkpointed_iteration.txt").read_text() == "3\n"
+    assert checkpoint.list_complete(shared) == [4]
+
+
+@pytest.mark.usefixtures("world1")
+@pytest.mark.parametrize("checkpoint_format", ["unicron", "megatron"])
+def test_the_final_checkpoint_is_megatrons_in_either_format(tmp_path: Path, checkpoint_format: str) -> None:
+    trainer = _trainer(replace(TRAINING, checkpoint_format=checkpoint_format, distributed_optimizer=False))
+    try:
+        trainer.step()
+        saved = persistent.save(trainer, tmp_path) == ""
+        assert persistent.save_final(trainer, tmp_path, saved) == ""
+        final = persistent.final_root(trainer, tmp_path)
+    finally:
+        trainer.release()
+    assert final == (tmp_path / "final" if checkpoint_format == "unicron" else tmp_path)
+    assert (final / "latest_checkpointed_iteration.txt").read_text() == "1\n"
+    assert (final / "iter_0000001" / "metadata.json").is_file()
+    assert checkpoint.list_complete(tmp_path) == [1]  # the job's own checkpoint, as before

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import time
 from pathlib import Path
 
@@ -265,3 +266,28 @@ def test_watching_a_job_that_already_failed_says_why() -> None:
     code = cli.watch_job(EndedJobClient("x"), "job-1", out, as_json=False)  # type: ignore[arg-type]
     assert code == cli.EXIT_FAILED
     assert out.getvalue() == "watching job-1 (gpt): failed (rank 2 exited with code 1)\n"
+
+
+def test_output_cut_short_by_its_reader_is_no_traceback() -> None:
+    """`unicron get ... | head`: the reader closes the pipe; the CLI stops without a word."""
+    import subprocess
+    import sys
+
+    program = (
+        "import sys; from unicron import cli\n"
+        "def run(args, out):\n"
+        "    for i in range(200000): out.write(f'line {i}\\n')\n"
+        "    return 0\n"
+        "cli.run = run\n"
+        "sys.exit(cli.main(['jobs']))\n"
+    )
+    shown = subprocess.run(
+        f'{sys.executable} -c "$PROGRAM" | head -1',
+        shell=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PROGRAM": program},
+    )
+    assert shown.stdout == "line 0\n"
+    assert "Traceback" not in shown.stderr and "BrokenPipe" not in shown.stderr, shown.stderr

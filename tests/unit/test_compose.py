@@ -1,4 +1,4 @@
-"""The container files of deploy/ without Docker: compose.yaml holds the stack the README
+"""The container files of deploy/ without Docker: compose.yaml holds the stack docs/containers.md
 promises, compose.host.yaml puts all of it on 127.0.0.1, the image's pins agree with the
 project's, and the image's entry point and health check behave. `make compose-test` runs
 the real thing."""

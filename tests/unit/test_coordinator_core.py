@@ -616,3 +616,21 @@ def test_failing_checkpoints_show_as_a_condition_until_one_is_saved(
         "checkpoints failing since iteration 10: [Errno 28] No space left on device (rank 0)",
         "checkpoints saved again (rank 0)",
     ]
+
+
+def test_a_finished_job_lists_no_worker_as_running(cluster: tuple[Coordinator, MemoryStore, Clock]) -> None:
+    coordinator, _, _ = cluster
+    job = submit_and_place(coordinator)
+    iterate(coordinator, job, 50, range(2))
+    assert {w.state for w in coordinator.get(job.job_id).workers} == {pb.WORKER_STATE_RUNNING}
+    for worker in job.assignment.workers:
+        for rank in worker.ranks:
+            coordinator.report_worker_exit(
+                node_service_pb2.ReportWorkerExitRequest(
+                    node_id=worker.node_id, job_id=job.job_id, generation=1, rank=rank, exit_code=0, last_iteration=50
+                )
+            )
+    ended = coordinator.get(job.job_id)
+    assert ended.state == state.SUCCEEDED
+    assert {w.state for w in ended.workers} == {pb.WORKER_STATE_STOPPED}
+    assert ended.workers[0].history[-1].reason == "the ranks finished"

@@ -202,8 +202,8 @@ def train(run: Run, program: MegatronProgram) -> None:
             _report(run, result, evaluated, scalars)
             save_due = bool(config.checkpoint_dir) and run.iteration % interval == 0
             writer.after_iteration(trainer)
-        if save_due and not run.stop.is_set():  # a stopped rank owes no collective
-            run.durability.checkpointed(trainer.iteration, persistent.save(trainer, config.checkpoint_dir))
+        if not run.stop.is_set():  # a stopped rank owes no collective
+            _save_last(run, trainer, save_due, log)
         scalars.close()
         trainer.close()
     except BaseException as exc:
@@ -214,6 +214,36 @@ def train(run: Run, program: MegatronProgram) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _save_last(run: Run, trainer: MegatronTrainer, save_due: bool, log: logging.Logger) -> None:
+    """The last iteration's checkpoint, when due, and the final checkpoint a plain Megatron-Core
+    script loads (Megatron-LM's ``pretrain`` also saves at its end): the process group is gone
+    once ``pretrain`` returns, so the program cannot save it itself. A final checkpoint that
+    does not save is an error: a restart at the last iteration saves it again."""
+    from unicron.trainer import megatron_checkpoint, persistent
+
+    root = run.config.checkpoint_dir
+    if not root:
+        if run.rank == 0 and run.iteration >= trainer.training.iterations:
+            log.warning("the trained model is not saved: pass pretrain(checkpoint_dir=...) to keep it")
+        return
+    saved = False
+    if save_due:
+        problem = persistent.save(trainer, root)
+        run.durability.checkpointed(trainer.iteration, problem)
+        saved = not problem
+    if run.iteration < trainer.training.iterations:
+        return
+    problem = persistent.save_final(trainer, root, saved)
+    if problem:
+        raise RuntimeError(f"the final checkpoint was not saved: {problem}")
+    if run.rank == 0:
+        where = megatron_checkpoint.iteration_dir(persistent.final_root(trainer, root), trainer.iteration)
+        log.info(
+            "the trained model is saved as a Megatron-Core distributed checkpoint",
+            extra={"iteration": trainer.iteration, "checkpoint": str(where)},
+        )
 
 
 def _report(run: Run, result: StepResult, evaluated: float | None, scalars: tensorboard_log.ScalarLog) -> None:

@@ -137,6 +137,22 @@ def _prepare(directory: Path) -> str:
     return ""
 
 
+def _tracker_is_ours(root: Path) -> bool:
+    """Whether Unicron may write the tracker file: there is none, or it names an iteration
+    directory Unicron wrote (or none that exists). Another program's (Megatron-LM saving to the same directory)
+    stays as it is: it names that program's newest checkpoint, which it reads back."""
+    try:
+        text = (root / TRACKER).read_text().strip()
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    if not text.isdigit():
+        return False
+    named = iteration_dir(root, int(text))
+    return not named.exists() or checkpoint.written_by_unicron(named)  # a dangling tracker names nothing
+
+
 def save(trainer: Any, root: str | Path) -> str:
     """Collective, as ``checkpoint.save``: "" once the checkpoint is complete (on rank 0; the
     other ranks once their part is written), else why not. Never raises for a failed write."""
@@ -179,7 +195,10 @@ def save(trainer: Any, root: str | Path) -> str:
             "saved_at": time.time(),
         }
         checkpoint.atomic_write(directory / checkpoint.MANIFEST, json.dumps(manifest, indent=1).encode())
-        checkpoint.atomic_write(Path(root) / TRACKER, f"{iteration}\n".encode())
+        if _tracker_is_ours(Path(root)):
+            checkpoint.atomic_write(Path(root) / TRACKER, f"{iteration}\n".encode())
+        else:
+            log.warning("%s names another program's checkpoint: left as it is", Path(root) / TRACKER)
     except OSError as exc:
         log.warning("checkpoint at iteration %d not saved: %s", iteration, exc)
         return str(exc)

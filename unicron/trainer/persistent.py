@@ -1,7 +1,8 @@
 """A job's persistent checkpoint in the format its spec chooses (``training.checkpoint_format``):
 Unicron's own (``checkpoint.py``, the default) or Megatron-Core's distributed checkpoint
 (``megatron_checkpoint.py``); and, where neither holds a checkpoint yet, the Megatron-LM
-checkpoint the job starts from (``training.initial_checkpoint``)."""
+checkpoint the job starts from (``training.initial_checkpoint``); and the final checkpoint
+``pretrain`` ends with, in Megatron's format whatever the job's, for plain scripts to load."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ from typing import Any
 from unicron.trainer import checkpoint, megatron_checkpoint
 
 FORMATS = ("unicron", "megatron")
+# Where the final checkpoint of a job that keeps Unicron's format goes, laid out as a
+# Megatron-LM save directory (its tracker file and one ``iter_*`` directory).
+FINAL_DIR = "final"
 
 
 def _training(trainer: Any) -> Any:
@@ -39,3 +43,20 @@ def restore(trainer: Any, root: str | Path) -> checkpoint.Restored:
     if restored.source == checkpoint.SOURCE_FRESH and initial:
         return megatron_checkpoint.load_initial(trainer, initial, training.initial_checkpoint_weights_only)
     return restored
+
+
+def final_root(trainer: Any, root: str | Path) -> Path:
+    """The Megatron-LM save directory the final checkpoint goes to: the checkpoint directory
+    itself when the job checkpoints in Megatron's format, else its ``final/``: Unicron's own
+    ``iter_*`` directories (8 digits) and Megatron's (7) are kept apart."""
+    return Path(root) if _megatron_format(trainer) else Path(root) / FINAL_DIR
+
+
+def save_final(trainer: Any, root: str | Path, saved: bool) -> str:
+    """Collective: the trained model, optimizer and schedule saved as Megatron-Core's
+    distributed checkpoint in ``final_root`` ("" once saved, else why not). ``saved``: this
+    iteration's checkpoint was just written in the job's format; in Megatron's, that one is the
+    final checkpoint."""
+    if saved and _megatron_format(trainer):
+        return ""
+    return megatron_checkpoint.save(trainer, final_root(trainer, root))
