@@ -22,6 +22,7 @@ from unicron import failures, jobspec
 from unicron.client import DEFAULT_COORDINATOR, ClientError, UnicronClient
 from unicron.errors import InvalidArgument, UnicronError
 from unicron.faults import FAULT_NAMES, parse_fault
+from unicron.job_view import print_job, remedy_name, state_name
 from unicron.v1 import common_pb2, job_service_pb2, logs_pb2
 
 SIMULATE_HELP = "replay a failure trace over a modeled cluster under each recovery strategy"
@@ -38,10 +39,6 @@ BAD_INPUT = {
 TERMINAL_STATES = frozenset(
     {common_pb2.JOB_STATE_SUCCEEDED, common_pb2.JOB_STATE_FAILED, common_pb2.JOB_STATE_CANCELLED}
 )
-
-
-def state_name(state: int) -> str:
-    return common_pb2.JobState.Name(state).removeprefix("JOB_STATE_").lower()
 
 
 def node_state_name(state: int) -> str:
@@ -96,10 +93,6 @@ def human(value: float, unit: str) -> str:
     scaled = value / scale
     digits = 2 if abs(scaled) < 9.995 else 1 if abs(scaled) < 99.95 else 0
     return f"{scaled:.{digits}f} {prefix}{unit}"
-
-
-def remedy_name(remedy: int) -> str:
-    return common_pb2.Remedy.Name(remedy).removeprefix("REMEDY_").lower() if remedy else "-"
 
 
 def waf_seconds(cost: common_pb2.FailureCost) -> float:
@@ -178,90 +171,6 @@ def print_cluster(cluster: job_service_pb2.GetClusterResponse, out: TextIO) -> N
 
 
 JOB_HEADERS = ["ID", "NAME", "STATE", "ITERATION", "LOSS", "PLACEMENT", "SUBMITTED"]
-
-
-def print_job(job: common_pb2.Job, out: TextIO) -> None:
-    spec = job.spec
-    par = spec.parallelism
-    out.write(f"job        {job.job_id} ({spec.name})\n")
-    out.write(f"state      {state_name(job.state)}: {job.reason}\n")
-    for condition in job.conditions:
-        noun = condition.type.removesuffix("_failing")
-        out.write(
-            f"condition  {noun} failing since iteration {condition.since_iteration} "
-            f"(rank {condition.rank}): {condition.message}\n"
-        )
-    out.write(
-        f"shape      TP {par.tensor} x PP {par.pipeline} x DP {par.data} "
-        f"(DP {par.min_data}..{par.max_data}), weight {spec.weight:g}\n"
-    )
-    program = spec.program
-    what = program.entry_point or " ".join(program.command)
-    out.write(f"program    {' '.join([what, *program.args])}\n")
-    if spec.data.path:
-        out.write(
-            f"data       {spec.data.path}"
-            + (f" (tokenizer {spec.data.tokenizer})" if spec.data.tokenizer else "")
-            + "\n"
-        )
-    if job.failure_detail:
-        out.write("error      the program's traceback:\n")
-        out.write("".join(f"           {line}\n" for line in job.failure_detail.rstrip().splitlines()))
-    progress = job.progress
-    if progress.iteration:
-        out.write(
-            f"progress   iteration {progress.iteration}/{spec.training.iterations}, loss {progress.loss:.4f}, "
-            f"{progress.iteration_seconds:.2f}s/it, {progress.flops_per_second / 1e9:.2f} GFLOP/s, "
-            f"{progress.tokens} tokens\n"
-        )
-        out.write(f"training   {training_line(progress)}\n")
-    if progress.measured_flops_per_second:
-        measured = sorted(progress.measured_flops_per_second.items())
-        out.write(
-            "throughput "
-            + ", ".join(f"{size} ranks {flops / 1e9:.2f} GFLOP/s" for size, flops in measured)
-            + " (measured; the planner sizes the job by these)\n"
-        )
-    states = {w.node_id: w.state for w in job.workers if w.generation == job.assignment.generation}
-    for worker in job.assignment.workers:
-        status = (
-            common_pb2.WorkerState.Name(states[worker.node_id]).removeprefix("WORKER_STATE_").lower()
-            if (worker.node_id in states)
-            else ""
-        )
-        out.write(
-            f"placement  {worker.node_id}: ranks {', '.join(map(str, worker.ranks))}"
-            + (f" ({status}, generation {job.assignment.generation})" if status else "")
-            + "\n"
-        )
-    if job.remedies:
-        out.write("remedies\n")
-        for attempt in job.remedies:
-            stamp = time.strftime("%H:%M:%S", time.localtime(attempt.started.ToNanoseconds() / 1e9))
-            took = (
-                f"resumed after {(attempt.resumed.ToNanoseconds() - attempt.started.ToNanoseconds()) / 1e9:.1f}s"
-                if attempt.HasField("resumed")
-                else "not resumed"
-            )
-            out.write(f"  {stamp}  {remedy_name(attempt.remedy):<11} {attempt.incident_id}  {took}: {attempt.reason}\n")
-    out.write("history\n")
-    for change in job.history:
-        stamp = time.strftime("%H:%M:%S", time.localtime(change.time.ToNanoseconds() / 1e9))
-        out.write(f"  {stamp}  {state_name(change.state):<10} {change.reason}\n")
-
-
-def training_line(progress: common_pb2.JobProgress) -> str:
-    """The last iteration's learning rate, gradient norm and loss-function report, fp16's
-    skipped updates and the newest validation loss, as one line."""
-    parts = [f"lr {progress.learning_rate:.3g}"]
-    if progress.HasField("grad_norm"):
-        parts.append(f"grad norm {progress.grad_norm:.4g}")
-    parts += [f"{name} {value:.4g}" for name, value in sorted(progress.metrics.items())]
-    if progress.skipped_steps:
-        parts.append(f"{progress.skipped_steps} skipped")
-    if progress.validation_iteration:
-        parts.append(f"validation loss {progress.validation_loss:.4f} (iteration {progress.validation_iteration})")
-    return ", ".join(parts)
 
 
 class ProgressView:

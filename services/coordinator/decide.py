@@ -44,6 +44,31 @@ def used_slots(jobs: Iterable[common_pb2.Job]) -> dict[str, int]:
     return used
 
 
+def waiting_reason(
+    job: common_pb2.Job, nodes: Iterable[common_pb2.Node], used: Mapping[str, int], planner_reason: str = ""
+) -> str:
+    """Why a pending job is not placed, in terms its user can act on: the slots it needs at its
+    smallest size, in whole tensor-parallel groups (a group never spans nodes), and how many
+    such slots are free now; when enough are, the planner's reason for leaving it out.
+    ``used``: the slots the other jobs hold per node (under the plan just made)."""
+    par = job.spec.parallelism
+    tp, pp = max(par.tensor, 1), max(par.pipeline, 1)
+    min_data = max(par.min_data or par.data, 1)
+    needed = tp * pp * min_data
+    free = sum(
+        (node.slots - used.get(node.node_id, 0)) // tp * tp
+        for node in nodes
+        if node.state == common_pb2.NODE_STATE_READY and not node.cordoned
+    )
+    shape = f"tensor {tp} x pipeline {pp} x data {min_data}"
+    if free < needed:
+        group = f", in tensor-parallel groups of {tp} on one node" if tp > 1 else ""
+        return f"waiting for {needed} free slots ({shape}{group}): {max(free, 0)} free now"
+    return f"waiting: {free} slots are free ({needed} needed) but the planner left the job out" + (
+        f" ({planner_reason})" if planner_reason else ""
+    )
+
+
 def hit_jobs(jobs: Iterable[common_pb2.Job], nodes: Iterable[common_pb2.Node]) -> set[str]:
     """Active jobs that must move: ranks on a node that is not READY (or is drained), or a remedy that waits
     for a re-plan to carry it out. The second without the first is a node lost and back (its

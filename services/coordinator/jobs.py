@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 
-from services.coordinator import cost, decide, state, transitions
+from services.coordinator import cost, state, transitions
 from services.coordinator.context import Context
 from services.coordinator.events import EventType, event
 from services.coordinator.registry import NodeRegistry
@@ -44,12 +44,23 @@ class Jobs:
                 raise FailedPrecondition(
                     f"program.image: no node runs {spec.program.image!r} (the agents' --image: {images})"
                 )
-        capacity = decide.total_slots(nodes)
+        tensor = spec.parallelism.tensor
+        largest = max((n.slots for n in nodes), default=0)
+        if nodes and tensor > largest:
+            # The planner never splits a tensor-parallel group across nodes (its all-reduces
+            # run every layer): such a job would wait forever.
+            raise FailedPrecondition(
+                f"parallelism.tensor: a tensor-parallel group of {tensor} ranks must fit on one node, "
+                f"and the largest node has {largest} slots"
+            )
+        # What the nodes hold in whole tensor-parallel groups.
+        capacity = sum(n.slots // tensor * tensor for n in nodes)
         needed = jobspec.world_size(spec, spec.parallelism.min_data)
         if needed > capacity:
             raise FailedPrecondition(
                 f"job needs at least {needed} slots (tensor x pipeline x min_data) but the "
                 f"cluster has {capacity} across {len(nodes)} nodes"
+                + (f" in whole tensor-parallel groups of {tensor}" if tensor > 1 else "")
             )
         now = self._ctx.clock()
         job = common_pb2.Job(job_id=new_job_id(), spec=spec, owner=owner)

@@ -202,6 +202,7 @@ class Replanner:
         answered = time.perf_counter()
         changes = decide.plan_changes(jobs, reply, hit)
         self._carry_out(changes, by_id, why, now, read)
+        self._explain_waiting(jobs, nodes, reply, {change.job_id for change in changes})
         # What a re-plan took, by part: under a burst of lost nodes the time to re-plan is
         # the planner's answer plus one compare-and-set per job changed.
         log.info(
@@ -215,6 +216,39 @@ class Replanner:
                 "carry_out_s": round(time.perf_counter() - answered, 3),
             },
         )
+
+    def _explain_waiting(
+        self,
+        jobs: list[common_pb2.Job],
+        nodes: list[common_pb2.Node],
+        reply: planner_service_pb2.PlanResponse,
+        placed: set[str],
+    ) -> None:
+        """Each job the plan leaves waiting says what it waits for (written only when that
+        changed: a re-plan runs on every event, most of which change nothing here)."""
+        reasons = {plan.job_id: plan.reason for plan in reply.jobs}
+        # The slots the plan gives; a job left waiting holds none of them.
+        used: dict[str, int] = {}
+        for plan in reply.jobs:
+            for node_id, count in plan.slots_by_node.items():
+                used[node_id] = used.get(node_id, 0) + count
+        for job in jobs:
+            if job.state != state.PENDING or job.job_id in placed:
+                continue
+            reason = decide.waiting_reason(job, nodes, used, reasons.get(job.job_id, ""))
+            if reason == job.reason:
+                continue
+
+            def mutate(current: common_pb2.Job, reason: str = reason) -> JobWrite | None:
+                if current.state != state.PENDING or current.reason == reason:
+                    return None
+                current.reason = reason
+                return JobWrite()
+
+            try:
+                self._ctx.store.update_job(job.job_id, mutate)
+            except UnicronError as exc:  # the next re-plan says it again
+                log.warning("could not record why a job waits", extra={"job_id": job.job_id, "error": str(exc)})
 
     def _ask(
         self, request: planner_service_pb2.PlanRequest, why: str, jobs: list[common_pb2.Job], hit: set[str]

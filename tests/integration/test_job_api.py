@@ -152,6 +152,43 @@ def test_more_slots_than_exist_is_failed_precondition(control_plane: ControlPlan
     assert snapshot(control_plane.redis) == before
 
 
+def test_a_tensor_parallel_group_no_node_holds_is_failed_precondition(control_plane: ControlPlane) -> None:
+    """TP 3 on 2-slot nodes would wait forever, though 4 slots are free: refused at submit."""
+    register(control_plane, "n1", slots=2)
+    register(control_plane, "n2", slots=3)
+    before = snapshot(control_plane.redis)
+    with control_plane.client() as client:
+        spec = tiny_spec(data=1)
+        spec.parallelism.tensor = 4
+        with pytest.raises(ClientError) as error:
+            client.submit(spec)
+        assert error.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert str(error.value).startswith("parallelism.tensor: a tensor-parallel group of 4 ranks must fit")
+        assert "the largest node has 3 slots" in str(error.value)
+        # 5 slots, but only 2 + 2 of them in whole groups of 2.
+        spec.parallelism.tensor, spec.parallelism.data = 2, 3
+        spec.training.global_batch_size = 6
+        with pytest.raises(ClientError) as error:
+            client.submit(spec)
+        assert error.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert "has 4 across 2 nodes in whole tensor-parallel groups of 2" in str(error.value), str(error.value)
+        assert snapshot(control_plane.redis) == before
+
+
+def test_a_name_is_used_again_once_its_job_ended(control_plane: ControlPlane) -> None:
+    register(control_plane, "n1")
+    with control_plane.client() as client:
+        first = client.submit(tiny_spec("my-run"))
+        with pytest.raises(ClientError) as error:
+            client.submit(tiny_spec("my-run"))
+        assert error.value.code == grpc.StatusCode.ALREADY_EXISTS
+        client.cancel("my-run")
+        second = client.submit(tiny_spec("my-run"))
+        assert second.job_id != first.job_id
+        assert client.get("my-run").job_id == second.job_id
+        assert client.get(first.job_id).state == common_pb2.JOB_STATE_CANCELLED
+
+
 def test_an_image_no_node_runs_is_failed_precondition(control_plane: ControlPlane) -> None:
     stub = control_plane.node_stub()
     for node_id, image in (("n1", "unicron:1.0"), ("n2", "")):

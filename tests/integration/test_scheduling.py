@@ -353,6 +353,9 @@ def test_a_job_that_no_longer_fits_waits_paused_and_the_others_are_still_planned
     control_plane.coordinator.reconcile_once()
     with control_plane.client() as client:
         assert client.get(small.job_id).state == common_pb2.JOB_STATE_SCHEDULED  # planning goes on
+        # What it waits for, in terms its user can act on (n2 lost, n1 taken by "small").
+        waiting = client.get(job.job_id).reason
+        assert waiting == "waiting for 4 free slots (tensor 1 x pipeline 1 x data 4): 0 free now", waiting
         client.cancel(small.job_id)
     register(control_plane, "n2")
     control_plane.coordinator.reconcile_once()

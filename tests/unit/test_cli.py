@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from unicron import cli
+from unicron import cli, job_view
 from unicron.redisutil import free_port
 from unicron.v1 import common_pb2, job_service_pb2
 
@@ -212,7 +212,7 @@ def test_get_shows_worker_states_and_remedies() -> None:
     attempt.started.FromSeconds(100)
     attempt.resumed.FromNanoseconds(int(103.5e9))
     out = io.StringIO()
-    cli.print_job(job, out)
+    job_view.print_job(job, out)
     text = out.getvalue()
     assert "placement  n1: ranks 0, 1 (running, generation 2)" in text
     assert "restart     inc-1  resumed after 3.5s: process_exit calls for restart process" in text
@@ -226,7 +226,7 @@ def test_get_and_watch_show_what_the_run_reports() -> None:
     p.metrics["lm loss"], p.skipped_steps = 2.5, 3
     p.validation_loss, p.validation_iteration = 2.75, 40
     out = io.StringIO()
-    cli.print_job(job, out)
+    job_view.print_job(job, out)
     assert (
         "training   lr 0.0003, grad norm 0.812, lm loss 2.5, 3 skipped, validation loss 2.7500 (iteration 40)"
         in out.getvalue()
@@ -236,7 +236,7 @@ def test_get_and_watch_show_what_the_run_reports() -> None:
     assert watched.getvalue() == "  iteration 40/100 loss 2.5000 lr 0.0003 gnorm 0.812 val 2.7500 2.00 it/s\n"
     # Without clipping or evaluation only the rate is shown.
     bare = common_pb2.JobProgress(iteration=3, loss=4.0, learning_rate=1e-3)
-    assert cli.training_line(bare) == "lr 0.001"
+    assert job_view.training_line(bare) == "lr 0.001"
 
 
 def test_nodes_say_how_long_each_is_in_its_state(
@@ -291,3 +291,43 @@ def test_output_cut_short_by_its_reader_is_no_traceback() -> None:
     )
     assert shown.stdout == "line 0\n"
     assert "Traceback" not in shown.stderr and "BrokenPipe" not in shown.stderr, shown.stderr
+
+
+@pytest.mark.parametrize(
+    ("training", "line"),
+    [
+        (
+            {},
+            "adam (betas 0.9, 0.999, eps 1e-08); clip grad norm 1; weight decay 0; lr 0.001 constant; fp32",
+        ),
+        (
+            {
+                "precision": "bf16",
+                "distributed_optimizer": True,
+                "adam_beta2": 0.95,
+                "clip_grad": 0,
+                "weight_decay": 0.1,
+                "learning_rate": 3e-4,
+                "lr_decay_style": "cosine",
+                "lr_warmup_iterations": 10,
+                "min_learning_rate": 3e-5,
+            },
+            "adam (betas 0.9, 0.95, eps 1e-08), distributed over the data-parallel ranks; no clipping; "
+            "weight decay 0.1; lr 0.0003 cosine after 10 warm-up iterations to 3e-05; "
+            "bf16 with fp32 main parameters, gradients reduced in fp32",
+        ),
+        (
+            {"optimizer": "sgd", "sgd_momentum": 0.5},
+            "sgd (momentum 0.5); clip grad norm 1; weight decay 0; lr 0.001 constant; fp32",
+        ),
+    ],
+)
+def test_get_says_which_optimization_the_job_runs(training: dict[str, object], line: str) -> None:
+    """Settings the program never wrote (clipping at 1, Adam's betas, the fp32 reduce) show."""
+    from unicron import jobspec
+
+    spec = jobspec.spec_from_dict({"name": "gpt", "training": {"iterations": 5, "global_batch_size": 4, **training}})
+    assert job_view.optimization_line(spec) == line
+    out = io.StringIO()
+    job_view.print_job(common_pb2.Job(job_id="job-1", spec=spec), out)
+    assert f"optimizer  {line}\n" in out.getvalue()

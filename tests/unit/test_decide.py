@@ -369,3 +369,45 @@ def test_distributed_optimizer_state_bytes_are_sharded_over_data_parallel(
     (plan_job,) = decide.plan_request([job], [node("a", 0)], 1e-6, 1.0).jobs
     # bf16: parameters 2 + gradients 4 + (main 4 + moments 8) / DP; fp32: 4 + 4 + 8 / DP.
     assert plan_job.transition.state_bytes == pytest.approx(1e6 * per_parameter)
+
+
+def _waiting(tensor: int, data: int, min_data: int = 0) -> common_pb2.Job:
+    job = common_pb2.Job(job_id="waits", state=state.PENDING)
+    job.spec.parallelism.tensor, job.spec.parallelism.data, job.spec.parallelism.min_data = tensor, data, min_data
+    return job
+
+
+def _running(job_id: str, slots: dict[str, int]) -> common_pb2.Job:
+    job = common_pb2.Job(job_id=job_id, state=state.RUNNING)
+    for node_id, count in slots.items():
+        job.assignment.workers.add(node_id=node_id, ranks=list(range(count)))
+    return job
+
+
+@pytest.mark.parametrize(
+    ("job", "others", "reason"),
+    [
+        # Four slots in use of eight: a job of six waits, saying for what.
+        (
+            _waiting(1, 6),
+            [_running("a", {"n1": 3, "n2": 1})],
+            "waiting for 6 free slots (tensor 1 x pipeline 1 x data 6): 4 free now",
+        ),
+        # Three free slots on n1 and one on n2 hold one group of 2: a TP 2 x DP 2 job waits.
+        (
+            _waiting(2, 2),
+            [_running("a", {"n1": 1, "n2": 3})],
+            "waiting for 4 free slots (tensor 2 x pipeline 1 x data 2, in tensor-parallel groups of 2 on one node):"
+            " 2 free now",
+        ),
+        # Its smallest size counts, and when that fits the planner's reason is given.
+        (
+            _waiting(1, 8, min_data=2),
+            [_running("a", {"n1": 2, "n2": 2})],
+            "waiting: 4 slots are free (2 needed) but the planner left the job out (lower priority)",
+        ),
+    ],
+)
+def test_a_waiting_job_says_what_it_waits_for(job: common_pb2.Job, others: list[common_pb2.Job], reason: str) -> None:
+    nodes = [node("n1", 0.0), node("n2", 0.0), node("n3", 0.0, common_pb2.NODE_STATE_LOST)]
+    assert decide.waiting_reason(job, nodes, decide.used_slots(others), "lower priority") == reason
