@@ -8,7 +8,7 @@ import logging
 import os
 import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -63,7 +63,10 @@ class AgentConfig(TLSConfig):
         "whose program.image names another image does not run here",
     )
     work_dir: str = setting(
-        "run/agent", "the agent's directory: its state and its trainers' output, under <work_dir>/<node_id>"
+        "",
+        "the agent's directory: its state and its trainers' output, under <work_dir>/<node_id>; a relative path "
+        "is taken from where the agent starts (empty: $XDG_STATE_HOME/unicron/agent, else "
+        "~/.local/state/unicron/agent, wherever the agent is started)",
     )
     checkpoint_dir: str = setting(
         "",
@@ -168,6 +171,16 @@ def interface_of(host: str) -> str:
     return ""
 
 
+def agent_root(config: AgentConfig, environ: Mapping[str, str] = os.environ) -> Path:
+    """The agent's directory, absolute: the trainers it starts run elsewhere (a job's
+    working_dir), and a default that followed the agent's start directory scattered its state
+    over whichever directories it was started from."""
+    if config.work_dir:
+        return Path(config.work_dir).expanduser().resolve()
+    state_home = environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(state_home) / "unicron" / "agent"
+
+
 def snapshot_root(config: AgentConfig, work_dir: Path) -> Path | None:
     if config.snapshot_dir == "none":
         return None
@@ -232,8 +245,9 @@ def node_gpus(setting: str, visible: str | None = None, dev: Path = Path("/dev")
 def setup(
     config: AgentConfig, server: rpc.Server, log: logging.Logger, tokens: WorkerTokens | None = None
 ) -> Callable[[], None]:
-    work_dir = Path(config.work_dir) / config.node_id
-    checkpoints = Path(config.checkpoint_dir or Path(config.work_dir) / "checkpoints")
+    root = agent_root(config)
+    work_dir = root / config.node_id
+    checkpoints = Path(config.checkpoint_dir).resolve() if config.checkpoint_dir else root / "checkpoints"
     work_dir.mkdir(parents=True, exist_ok=True)
     trainer_address = server.add_port(TRAINER_BIND, client_certificates=False)
     agent = Agent(
@@ -273,7 +287,13 @@ def setup(
             "agent serves its trainers' output to ANY caller (plaintext, no join token: nothing is authenticated)"
         )
     serve(server, agent)
-    log.info("node %s offers %d slots to %s", config.node_id, config.slots, config.coordinator)
+    log.info(
+        "node %s offers %d slots to %s",
+        config.node_id,
+        config.slots,
+        config.coordinator,
+        extra={"work_dir": str(work_dir), "checkpoint_dir": str(checkpoints)},
+    )
     # The bound port (0 asks for any) at the advertised host.
     return lambda: agent.start(f"{advertised_host(config)}:{server.address.rpartition(':')[2]}")
 

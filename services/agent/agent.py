@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 import shutil
 import signal
 import threading
@@ -70,6 +71,11 @@ def trainer_base_env(home: Path | None = None) -> dict[str, str]:
 def _stamp(message: common_pb2.FailureReport, at: float) -> common_pb2.FailureReport:
     message.first_seen.FromNanoseconds(int(at * 1e9))
     return message
+
+
+# A job's directory as the agent names it: the job's id (services/coordinator/store.py
+# new_job_id). Nothing else in a snapshot directory an operator named is Unicron's to delete.
+_JOB_DIR = re.compile(r"^job-\d{8}-[0-9a-f]{8}$")
 
 
 class Agent:
@@ -144,12 +150,33 @@ class Agent:
 
     def start(self, address: str) -> None:
         self.address = address
+        self._free_unowned_snapshots()
         loops: list[tuple[Callable[[], None], str]] = [(self._register_when_warm, "register")]
         if self.settings.monitoring:
             loops.append((self._monitor_loop, "monitor"))
         if self._health_checks:
             loops.append((self._health_loop, "health"))
         self._start_threads(loops)
+
+    def _free_unowned_snapshots(self) -> None:
+        """Snapshots a previous run of this agent left (killed with SIGKILL, it freed nothing)
+        are tmpfs memory the node never gets back: at start every job's is freed but those of
+        jobs whose trainers from that run still live. The coordinator places jobs again from
+        scratch: a restarted rank here finds its peers' state, or the checkpoint."""
+        freed = self._free_snapshots(keep=self.supervisor.previous_jobs())
+        if freed:
+            log.info("freed snapshots a previous run left", extra={"jobs": ",".join(sorted(freed))})
+
+    def _free_snapshots(self, keep: set[str]) -> list[str]:
+        """Deletes the job directories under the snapshot directory but ``keep``'s; returns
+        the jobs freed."""
+        root = self.settings.snapshot_dir
+        if root is None or not root.is_dir():
+            return []
+        freed = [d.name for d in root.iterdir() if d.is_dir() and _JOB_DIR.match(d.name) and d.name not in keep]
+        for name in freed:
+            shutil.rmtree(root / name, ignore_errors=True)
+        return freed
 
     def _start_threads(self, loops: list[tuple[Callable[[], None], str]]) -> None:
         for target, name in loops:
@@ -176,9 +203,8 @@ class Agent:
         self.client.stop()
         self.supervisor.close()
         self.supervisor.stop(grace_s=self.settings.stop_grace_s)
-        if self.settings.snapshot_dir is not None:
-            # The node goes out of service: its trainers' snapshots are memory to give back.
-            shutil.rmtree(self.settings.snapshot_dir, ignore_errors=True)
+        # The node goes out of service: its trainers' snapshots are memory to give back.
+        self._free_snapshots(keep=set())
         for thread in list(self._threads):
             thread.join(timeout=2)
 

@@ -221,6 +221,20 @@ class Supervisor:
         except OSError as exc:
             log.warning("cannot write the trainer registry", extra={"error": str(exc)})
 
+    def previous_jobs(self) -> set[str]:
+        """The jobs whose trainers, as the registry a previous run of this agent left says,
+        are still alive (a trainer outlives a SIGKILLed agent until it sees its link gone).
+        Read before this run's first launch rewrites the registry."""
+        try:
+            entries = json.loads((self._work_dir / REGISTRY_FILE).read_text())
+        except (OSError, ValueError):
+            return set()
+        return {
+            str(e.get("job_id"))
+            for e in entries
+            if isinstance(e, dict) and isinstance(e.get("pid"), int) and _alive(e["pid"])
+        }
+
     def close(self) -> None:
         """Ends the spares and refuses launches from now on (the trainers are stopped with
         stop())."""
@@ -340,3 +354,13 @@ def _signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
         os.killpg(proc.pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's (a trainer user's)
+        return True
+    return True

@@ -95,6 +95,19 @@ def _last_line(text: str, limit: int = 300) -> str:
     return lines[-1][:limit] if lines else ""
 
 
+def tokens_through(last_iteration: int, last_tokens: int, iteration: int, tokens: int) -> int:
+    """The tokens the job's state has trained on once ``iteration`` (of ``tokens``) is done,
+    each iteration counted once: a report lost (rank 0 stopped before its report left, a
+    hang's restart) counts as the next one's, and iterations redone after a roll-back to
+    a snapshot or checkpoint replace what they counted before. Exact when every iteration
+    has the same tokens, as a fixed global batch of fixed-length samples has."""
+    if last_iteration <= 0:
+        return tokens
+    if iteration > last_iteration:
+        return last_tokens + tokens * (iteration - last_iteration)
+    return round(last_tokens / last_iteration * (iteration - 1)) + tokens
+
+
 class Monitors:
     """The cross-node straggler monitor of each running job generation. An agent compares
     only its own node's ranks; here every rank of the job is compared with every other, so
@@ -282,7 +295,7 @@ class Reports:
             iteration=report.iteration,
             loss=report.loss,
             iteration_seconds=report.seconds,
-            tokens=job.progress.tokens + report.tokens,
+            tokens=tokens_through(job.progress.iteration, job.progress.tokens, report.iteration, report.tokens),
             flops_per_second=flops_per_second,
             measured_flops_per_second=measured,
             metrics=report.metrics,

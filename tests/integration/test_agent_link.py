@@ -238,3 +238,29 @@ def test_a_trainer_error_does_not_wait_for_an_unreachable_coordinator(tmp_path: 
     assert time.monotonic() - start < 1.0
     assert lonely.client.urgent_backlog() == ["failure report"]
     lonely.stop()
+
+
+def test_an_agent_frees_at_start_the_snapshots_a_killed_run_left(tmp_path: Path) -> None:
+    """Killed with SIGKILL, an agent freed nothing; starting again it frees every job's
+    snapshots but those of a trainer of that run still alive, and nothing it did not write."""
+    import json
+    import os
+
+    snapshots = tmp_path / "shm"
+    left, alive, foreign = "job-20261206-0000dead", "job-20261206-0000a11e", "my-notes"
+    for name in (left, alive, foreign):
+        (snapshots / name).mkdir(parents=True)
+        (snapshots / name / "rank0.pt").write_bytes(b"state")
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "trainers.json").write_text(
+        json.dumps([{"pid": os.getpid(), "job_id": alive}, {"pid": 2**22 + 1, "job_id": left}])
+    )
+    settings = AgentSettings(node_id="n1", slots=1, failure_domain="", work_dir=work, snapshot_dir=snapshots)
+    restarted = Agent(settings, "127.0.0.1:1")
+    restarted.start("127.0.0.1:1")
+    try:
+        assert sorted(p.name for p in snapshots.iterdir()) == sorted([alive, foreign])
+    finally:
+        restarted.stop()
+    assert [p.name for p in snapshots.iterdir()] == [foreign]  # stopping frees the rest, not the user's

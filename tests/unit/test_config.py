@@ -234,3 +234,16 @@ def test_a_service_prints_its_help_without_its_dependencies() -> None:
     assert done.returncode == 0, done.stderr
     text = " ".join(done.stdout.split())  # argparse wraps the help to the terminal's width
     assert "UNICRON_COORDINATOR_REDIS_URL" in text and "default redis://127.0.0.1:6379/0" in text
+
+
+def test_the_agents_directory_does_not_depend_on_where_it_started(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from services.agent.__main__ import AgentConfig, agent_root
+
+    monkeypatch.chdir(tmp_path)
+    home = {"XDG_STATE_HOME": "/var/state"}
+    assert agent_root(AgentConfig(plaintext=True), home) == Path("/var/state/unicron/agent")
+    assert agent_root(AgentConfig(plaintext=True), {}) == Path.home() / ".local/state/unicron/agent"
+    # Given relative, it is taken from the start directory once, and kept absolute.
+    assert agent_root(AgentConfig(plaintext=True, work_dir="run/agent"), home) == tmp_path / "run/agent"

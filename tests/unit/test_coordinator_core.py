@@ -634,3 +634,19 @@ def test_a_finished_job_lists_no_worker_as_running(cluster: tuple[Coordinator, M
     assert ended.state == state.SUCCEEDED
     assert {w.state for w in ended.workers} == {pb.WORKER_STATE_STOPPED}
     assert ended.workers[0].history[-1].reason == "the ranks finished"
+
+
+@pytest.mark.parametrize(
+    ("last", "iteration", "tokens"),
+    [
+        ((0, 0), 1, 1024),  # the first report
+        ((5, 5120), 6, 6144),  # the next
+        ((5, 5120), 7, 7168),  # iteration 6's report was lost: it counts as 7's
+        ((7, 7168), 4, 4096),  # rolled back to a checkpoint at 3: 4..7 count once
+        ((7, 7168), 7, 7168),  # a redone last iteration
+    ],
+)
+def test_each_iteration_s_tokens_count_once(last: tuple[int, int], iteration: int, tokens: int) -> None:
+    from services.coordinator.reports import tokens_through
+
+    assert tokens_through(*last, iteration, 1024) == tokens
