@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 GEN_STAMP := unicron/v1/.generated
 PROTOS := $(wildcard proto/unicron/v1/*.proto)
 
-.PHONY: all venv gen redis compose-v1 demo certs test test-e2e test-unit test-cluster lint fmt clean bench-planner bench-detect bench-transition bench-sizes bench-sim bench-load bench-load-steps bench-peers peers-venv compose-test gpu-image-test deploy-lock
+.PHONY: all venv gen redis compose-v1 demo certs test test-e2e test-unit test-cluster lint fmt clean bench-planner bench-detect bench-transition bench-sizes bench-buddy bench-sim bench-load bench-load-steps bench-peers peers-venv compose-test gpu-image-test deploy-lock
 
 all: test
 
@@ -80,6 +80,10 @@ bench-transition: gen redis
 # fit goes to unicron_sim/data/transition_fit.json, where the simulator reads it.
 bench-sizes: gen redis
 	$(PY) -m bench.sizes
+
+# What buddy copies of optimizer shards cost: memory, time per iteration, bytes per second.
+bench-buddy: gen
+	$(PY) -m bench.buddy
 
 bench-sim: gen
 	$(PY) -m bench.sim

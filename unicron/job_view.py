@@ -28,6 +28,8 @@ def optimization_line(spec: common_pb2.JobSpec) -> str:
         parts = [f"adam (betas {t.adam_beta1:g}, {t.adam_beta2:g}, eps {t.adam_eps:g})"]
         if t.distributed_optimizer:
             parts[0] += ", distributed over the data-parallel ranks"
+            if (t.replication or 2) > 1:
+                parts[0] += ", each shard's buddy copy on another node"
     parts.append(f"clip grad norm {t.clip_grad:g}" if t.clip_grad else "no clipping")
     parts.append(f"weight decay {t.weight_decay:g}")
     schedule = f"lr {t.learning_rate:g} {t.lr_decay_style}"

@@ -259,6 +259,7 @@ TRAINING_CHECKED = (
     "checkpoint_format",
     "initial_checkpoint",
     "initial_checkpoint_weights_only",
+    "replication",
 )
 
 
@@ -312,6 +313,11 @@ def training_problem(values: Mapping[str, Any]) -> tuple[str, str] | None:
             "initial_checkpoint_weights_only",
             bool(values["initial_checkpoint"]) or not values["initial_checkpoint_weights_only"],
             "is set without an initial_checkpoint to take the weights from",
+        ),
+        (
+            "replication",
+            values["replication"] in (0, 1, 2),
+            f"must be 1 (no buddy copy) or 2 (one buddy copy), got {values['replication']} (0: the default)",
         ),
         (
             "optimizer",

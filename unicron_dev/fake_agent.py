@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Iterator
 from concurrent import futures
@@ -25,6 +26,8 @@ class FakeAgent(trainer_service_pb2_grpc.TrainerAgentServiceServicer):
     def __init__(self, stop_on_error: bool = False) -> None:
         self.stop_on_error = stop_on_error
         self.messages: dict[int, list[pb.ConnectRequest]] = defaultdict(list)
+        # When each message arrived (time.monotonic()), beside it: wall time per iteration.
+        self.arrival_times: dict[int, list[float]] = defaultdict(list)
         self._lock = threading.Lock()
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=rpc.SERVER_OPTIONS)
         trainer_service_pb2_grpc.add_TrainerAgentServiceServicer_to_server(self, self._server)
@@ -45,6 +48,7 @@ class FakeAgent(trainer_service_pb2_grpc.TrainerAgentServiceServicer):
                 for request in request_iterator:
                     with self._lock:
                         self.messages[rank].append(request)
+                        self.arrival_times[rank].append(time.monotonic())
                     if request.HasField("error") and self.stop_on_error:
                         outbox.put(pb.ConnectResponse(stop=pb.AgentStop(reason="test")))
             except grpc.RpcError:
@@ -57,6 +61,15 @@ class FakeAgent(trainer_service_pb2_grpc.TrainerAgentServiceServicer):
             if message is None:
                 return
             yield message
+
+    def arrived(self, rank: int, kind: str) -> list[float]:
+        """When each of ``rank``'s messages of ``kind`` arrived."""
+        with self._lock:
+            return [
+                t
+                for m, t in zip(self.messages[rank], self.arrival_times[rank], strict=True)
+                if m.WhichOneof("message") == kind
+            ]
 
     def of(self, rank: int, kind: str) -> list[Any]:
         with self._lock:

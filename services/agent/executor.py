@@ -176,6 +176,7 @@ class CommandExecutor:
                     master_addr=assignment.master_addr,
                     master_port=assignment.master_port,
                     agent=settings.trainer_address or p.address(),
+                    node=settings.node_id,
                     spec=spec_json,
                     fault_injection=settings.fault_injection,
                     token=p.worker_tokens.issue(start.job_id, assignment.generation, rank),

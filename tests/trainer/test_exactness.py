@@ -417,3 +417,63 @@ def test_a_tensor_parallel_grow_takes_each_shard_from_its_holder(references: dic
         assert result.returncode == 0, result.log[-3000:]
     assert [agent.of(k, "iteration")[0].state_source for k in joining] == ["peer", "peer"]
     assert_within(root, *resize_bound(references, tensor=2))
+
+
+def _on_nodes(*nodes: str) -> list[dict[str, str]]:
+    """The trainer settings that put each rank on its own node: a buddy copy needs another."""
+    return [trainer_env(node=node) for node in nodes]
+
+
+def test_a_restart_takes_the_lost_shard_from_its_buddy(references: dict[str, Any], tmp_path: Path) -> None:
+    """Under the distributed optimizer, with the ranks on two nodes: rank 1 is killed in
+    iteration 9 and its replacement starts on a third node. Rank 0 kept a buddy copy of rank
+    1's optimizer shard (of iteration 8, refreshed at the start of 9): the new rank takes its
+    model slice from rank 0 and its shard from that copy. No snapshot, no checkpoint read; the
+    run ends bit-identical."""
+    if not references["distributed"]:
+        pytest.skip("a buddy copy is of a distributed optimizer's shard")
+    port, new_port = free_port(), free_port()
+    agent = ReformAgent({(1, 0): 0}, generation=2, world_size=2, port=new_port, when=ReformAgent.any_error)
+    root = tmp_path / "ckpt"
+    on_a, on_b, on_c = _on_nodes("node-a", "node-b", "node-c")
+    crash = {**on_b, **trainer_env(fault_injection=True, faults=("crash@9",))}
+    try:
+        spec = references["spec"]()
+        old = [start_trainer(agent.address, spec, r, 2, port, tmp_path, 1, root, crash if r else on_a) for r in (0, 1)]
+        assert old[1].wait().returncode != 0
+        restarted = start_trainer(
+            agent.address, spec, 1, 2, new_port, tmp_path, 2, root, {**on_c, **trainer_env(state_from_peer=True)}
+        )
+        for result in (old[0].wait(), restarted.wait()):
+            assert result.returncode == 0, result.log[-3000:]
+    finally:
+        agent.stop()
+    first = agent.of((2, 1), "iteration")[0]
+    assert (first.iteration, first.state_source, first.restored_iteration) == (9, "buddy", 8)
+    assert_exact(root, references["get"]("tp1dp2", 2))
+
+
+def test_a_shrink_reshards_in_memory_from_the_buddy(references: dict[str, Any], tmp_path: Path) -> None:
+    """DP 2 -> 1 at iteration 6 under the distributed optimizer with no persistent checkpoint
+    to fall back to: rank 1 leaves, and rank 0 cuts the whole optimizer state from its own
+    shard and its buddy copy of rank 1's. Within the resize bound."""
+    if not references["distributed"]:
+        pytest.skip("a buddy copy is of a distributed optimizer's shard")
+    port, new_port = free_port(), free_port()
+    root = tmp_path / "ckpt"
+    agent = ReformAgent({(1, 0): 0}, generation=2, world_size=1, port=new_port, when=ReformAgent.any_error)
+    on_a, on_b = _on_nodes("node-a", "node-b")
+    exits = {**on_b, **trainer_env(fault_injection=True, faults=("exit@6",))}
+    try:
+        spec = references["spec"]()
+        ranks = [
+            start_trainer(agent.address, spec, r, 2, port, tmp_path, 1, root, exits if r else on_a) for r in (0, 1)
+        ]
+        assert ranks[1].wait().returncode == 3
+        result = ranks[0].wait()
+    finally:
+        agent.stop()
+    assert result.returncode == 0, result.log[-3000:]
+    reports = [r for r in agent.of((1, 0), "iteration") if r.generation == 2 and r.state_source]
+    assert (reports[0].state_source, reports[0].restored_iteration) == ("buddy", 5)
+    assert_within(root, *resize_bound(references))

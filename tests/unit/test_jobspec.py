@@ -245,6 +245,7 @@ def _with_training(**values: object) -> common_pb2.JobSpec:
         ({"sgd_momentum": 1.5}, "spec.training.sgd_momentum"),
         ({"clip_grad": -1.0}, "spec.training.clip_grad"),
         ({"clip_grad": float("inf")}, "spec.training.clip_grad"),
+        ({"replication": 3}, "spec.training.replication"),
         ({"optimizer": "sgd", "distributed_optimizer": True}, "spec.training.optimizer"),
         ({"checkpoint_format": "nemo"}, "spec.training.checkpoint_format"),
         ({"initial_checkpoint_weights_only": True}, "spec.training.initial_checkpoint_weights_only"),

@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from unicron.trainer.optimizer_shards import (
+    CopyPlace,
+    Holder,
     Place,
     ShardError,
     cut,
@@ -114,14 +116,14 @@ S0, S1 = (0, 0), (1, 0)  # two tensor-parallel slices
         # a replicated optimizer: nothing to exchange, whatever is held
         ([(5, S0, (0, 0), (0, 0)), (-1, S0, (0, 0), (1, 0))], 5, {}, ""),
         # a grow 1 -> 2: the one shard is everything
-        ([(5, S0, (0, 1), (0, 2)), (-1, S0, (0, 0), (1, 2))], 5, {S0: [0]}, ""),
+        ([(5, S0, (0, 1), (0, 2)), (-1, S0, (0, 0), (1, 2))], 5, {S0: [(0, (0, 1))]}, ""),
         # ranks renumbered: shards of both, each to be cut anew
-        ([(5, S0, (1, 2), (0, 2)), (5, S0, (0, 2), (1, 2))], 5, {S0: [1, 0]}, ""),
+        ([(5, S0, (1, 2), (0, 2)), (5, S0, (0, 2), (1, 2))], 5, {S0: [(1, (0, 2)), (0, (1, 2))]}, ""),
         # TP 2 grow: each slice exchanges within itself; the other slice's ranks need none
         (
             [(5, S0, (0, 1), (0, 2)), (5, S1, (0, 1), (0, 2)), (-1, S0, (0, 0), (1, 2)), (-1, S1, (0, 0), (1, 2))],
             5,
-            {S0: [0], S1: [1]},
+            {S0: [(0, (0, 1))], S1: [(1, (0, 1))]},
             "",
         ),
         # a shrink 2 -> 1 after the other rank died: half the state is gone
@@ -133,8 +135,39 @@ S0, S1 = (0, 0), (1, 0)  # two tensor-parallel slices
     ],
 )
 def test_which_shards_a_reform_exchanges(
-    places: list[Place], target: int, exchange: dict[tuple[int, int], list[int]], problem: str
+    places: list[Place], target: int, exchange: dict[tuple[int, int], list[Holder]], problem: str
 ) -> None:
     got, why = pieces_to_exchange(places, target)
+    assert got == exchange
+    assert (problem in why) if problem else why == ""
+
+
+@pytest.mark.parametrize(
+    ("places", "copies", "exchange", "problem"),
+    [
+        # a restart: the new rank's shard comes from its buddy's copy
+        (
+            [(5, S0, (0, 2), (0, 2)), (-1, S0, (0, 0), (1, 2))],
+            [(5, (1, 2)), (-1, (0, 0))],
+            {S0: [(0, (0, 2)), (0, (1, 2))]},
+            "",
+        ),
+        # a shrink 2 -> 1 after rank 1 died: its shard from rank 0's copy
+        ([(5, S0, (0, 2), (0, 1))], [(5, (1, 2))], {S0: [(0, (0, 2)), (0, (1, 2))]}, ""),
+        # a copy one iteration older does not count
+        ([(5, S0, (0, 2), (0, 1))], [(4, (1, 2))], {}, "only 1 of 2"),
+        # DP 4 grow to 6 with ranks 2 and 3 lost: copies of 1 and 3 held by 2's and 0's buddies
+        (
+            [(5, S0, (0, 4), (0, 3)), (5, S0, (1, 4), (1, 3)), (-1, S0, (0, 0), (2, 3))],
+            [(5, (2, 4)), (5, (3, 4)), (-1, (0, 0))],
+            {S0: [(0, (0, 4)), (1, (1, 4)), (0, (2, 4)), (1, (3, 4))]},
+            "",
+        ),
+    ],
+)
+def test_buddy_copies_hold_the_shards_their_ranks_lost(
+    places: list[Place], copies: list[CopyPlace], exchange: dict[tuple[int, int], list[Holder]], problem: str
+) -> None:
+    got, why = pieces_to_exchange(places, 5, copies)
     assert got == exchange
     assert (problem in why) if problem else why == ""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import socket
 import time
 from datetime import timedelta
 from typing import TYPE_CHECKING
@@ -65,6 +66,7 @@ def training_of(spec: common_pb2.JobSpec) -> Training:
         checkpoint_format=t.checkpoint_format or OPTIMIZER_DEFAULTS["checkpoint_format"],
         initial_checkpoint=t.initial_checkpoint,
         initial_checkpoint_weights_only=t.initial_checkpoint_weights_only,
+        replication=t.replication,
         **{name: getattr(t, name) for name in OPTIONAL_OPTIMIZER_SETTINGS if t.HasField(name)},
     )
 
@@ -96,6 +98,7 @@ def local_spec(training: Training) -> common_pb2.JobSpec:
     t.tensorboard_dir = training.tensorboard_dir
     t.checkpoint_format, t.initial_checkpoint = training.checkpoint_format, training.initial_checkpoint
     t.initial_checkpoint_weights_only = training.initial_checkpoint_weights_only
+    t.replication = training.replication
     for name in OPTIONAL_OPTIMIZER_SETTINGS:
         setattr(t, name, getattr(training, name))
     return spec
@@ -122,7 +125,7 @@ def train(run: Run, program: MegatronProgram) -> None:
     import torch
     import torch.distributed as dist
 
-    from unicron.trainer import persistent
+    from unicron.trainer import buddy
     from unicron.trainer import reform as reforming
     from unicron.trainer import snapshot as snapshots
 
@@ -155,20 +158,26 @@ def train(run: Run, program: MegatronProgram) -> None:
         # the save is collective, and a peer dying during it is then handled as a failed step
         # (this rank's state is whole) rather than failing the rank.
         save_due = False
+        # Likewise the buddy copies (buddy.py), at each group's first pass and after each
+        # iteration: every rank of a group takes part, new and old alike.
+        run.buddies = buddy.BuddyCopies(
+            config.node or config.agent or socket.gethostname(), enabled=training.copies > 1
+        )
+        copy_due = True
         while run.iteration < training.iterations and not run.stop.is_set():
             reform = poll_reform(run)
             if reform is not None:  # at an iteration boundary: nothing in flight
                 trainer = apply_reform(run, trainer, reform, keep_state=True)
                 writer = snapshots.SnapshotWriter(config.snapshot_dir, run.rank, every, run.durability.snapshotted)
                 # A rank new to the group owes no save: a collective not every rank joins hangs.
-                save_due = False
+                save_due, copy_due = False, True
+                run.buddies.regroup()
                 continue
             decision: Decision | None = None
             finishing, resume = resume, None
             try:
-                if save_due:
-                    run.durability.checkpointed(trainer.iteration, persistent.save(trainer, config.checkpoint_dir))
-                    save_due = False
+                _owed(run, trainer, save_due, copy_due)
+                save_due = copy_due = False
                 run.injector.before_step(run.iteration + 1)
                 result = next_step(trainer, finishing, log)
                 # In the step's try: a peer lost during the evaluation's collectives is a failed
@@ -196,14 +205,18 @@ def train(run: Run, program: MegatronProgram) -> None:
                 )
                 parked = None
                 writer = snapshots.SnapshotWriter(config.snapshot_dir, run.rank, every, run.durability.snapshotted)
-                save_due = False
+                save_due, copy_due = False, True
+                run.buddies.regroup()
                 continue
             run.iteration, run.step_seconds, run.stepped = result.iteration, result.seconds, True
             _report(run, result, evaluated, scalars)
             save_due = bool(config.checkpoint_dir) and run.iteration % interval == 0
+            copy_due = run.iteration < training.iterations
             writer.after_iteration(trainer)
         if not run.stop.is_set():  # a stopped rank owes no collective
             _save_last(run, trainer, save_due, log)
+        if run.buddies.refreshes:
+            log.info("buddy copies", extra=run.buddies.summary())
         scalars.close()
         trainer.close()
     except BaseException as exc:
@@ -214,6 +227,16 @@ def train(run: Run, program: MegatronProgram) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _owed(run: Run, trainer: MegatronTrainer, save: bool, copy: bool) -> None:
+    """The collectives the last iteration left owing: its checkpoint and its buddy copies."""
+    from unicron.trainer import persistent
+
+    if save:
+        run.durability.checkpointed(trainer.iteration, persistent.save(trainer, run.config.checkpoint_dir))
+    if copy:
+        run.buddies.refresh(trainer)
 
 
 def _save_last(run: Run, trainer: MegatronTrainer, save_due: bool, log: logging.Logger) -> None:
@@ -441,6 +464,7 @@ def _reform_once(
         snapshot_dir=config.snapshot_dir,
         superseded=lambda: reform_waiting(run),
         namespace=generation_namespace(reform.generation),
+        copy=run.buddies.copy if run.buddies is not None else None,
     )
     if run.injector.enabled:
         new.grad_sync_hook = run.injector.in_grad_sync

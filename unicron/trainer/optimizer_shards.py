@@ -142,26 +142,47 @@ def cut(shards: list[dict[str, Any]], wanted: Ranges) -> dict[str, dict[str, tor
 # A rank's place in ``pieces_to_exchange``: (iteration of its state or -1, its slice,
 # the (rank, degree) its shard was taken at, its (rank, degree) now). Degree 0: no shard.
 Place = tuple[int, tuple[int, int], tuple[int, int], tuple[int, int]]
+# A buddy copy a rank keeps (buddy.py): (its iteration or -1, the (rank, degree) of the
+# shard it copies). It belongs to the slice of the rank that keeps it.
+CopyPlace = tuple[int, tuple[int, int]]
+# Who sends which shard: (global rank, the (rank, degree) the shard was taken at).
+Holder = tuple[int, tuple[int, int]]
 
 
-def pieces_to_exchange(places: list[Place], target: int) -> tuple[dict[tuple[int, int], list[int]], str]:
-    """Which ranks' optimizer shards each slice's data-parallel ranks must exchange so that every
-    rank can cut its shard at ``target`` (slice -> global ranks, one per shard taken; a slice
-    whose ranks each hold their own shard at ``target`` already needs none), and why that is
-    impossible ("" when it is not): the shards of some data-parallel ranks died with them."""
+def _holders(
+    places: list[Place], copies: list[CopyPlace], members: list[int], target: int
+) -> dict[tuple[int, int], int]:
+    """Each shard of iteration ``target`` the slice's ``members`` hold (their own first, then
+    the buddy copies), and one rank that holds it."""
+    holders: dict[tuple[int, int], int] = {}
+    for r in members:
+        if places[r][0] == target and places[r][2][1]:
+            holders.setdefault(places[r][2], r)
+    for r in members:
+        if r < len(copies) and copies[r][0] == target and copies[r][1][1]:
+            holders.setdefault(copies[r][1], r)
+    return holders
+
+
+def pieces_to_exchange(
+    places: list[Place], target: int, copies: list[CopyPlace] | None = None
+) -> tuple[dict[tuple[int, int], list[Holder]], str]:
+    """Which optimizer shards each slice's data-parallel ranks must exchange so that every rank
+    can cut its shard at ``target`` (slice -> holders: the global rank that sends and which
+    shard, one per shard taken; a slice whose ranks each hold their own shard at ``target``
+    already needs none), and why that is impossible ("" when it is not): the shards of some
+    data-parallel ranks died with them, and no buddy copy (``copies``, by global rank) has them."""
+    copies = copies or []
     slices: dict[tuple[int, int], list[int]] = {}
     for rank, (_, slice_, _, _) in enumerate(places):
         slices.setdefault(slice_, []).append(rank)
-    exchange: dict[tuple[int, int], list[int]] = {}
+    exchange: dict[tuple[int, int], list[Holder]] = {}
     for slice_, members in sorted(slices.items()):
         if not any(places[r][3][1] for r in members):
             continue  # a replicated optimizer: nothing sharded
         if all(places[r][0] == target and places[r][2] == places[r][3] for r in members):
             continue
-        holders: dict[tuple[int, int], int] = {}
-        for r in members:
-            if places[r][0] == target and places[r][2][1]:
-                holders.setdefault(places[r][2], r)
+        holders = _holders(places, copies, members, target)
         degrees = {degree for _, degree in holders}
         taken = sorted(dp_rank for dp_rank, _ in holders)
         if len(degrees) != 1 or taken != list(range(next(iter(degrees)))):
@@ -170,5 +191,5 @@ def pieces_to_exchange(places: list[Place], target: int) -> tuple[dict[tuple[int
                 f"slice {slice_}: only {shown} optimizer shards of iteration {target} are held; the rest were lost"
                 " with their ranks"
             )
-        exchange[slice_] = [holders[key] for key in sorted(holders)]
+        exchange[slice_] = [(holders[key], key) for key in sorted(holders)]
     return exchange, ""

@@ -50,7 +50,9 @@ class Training:
     many iterations (0: never), over eval_iterations global batches. tensorboard_dir: rank 0
     writes TensorBoard event files there ("": none). checkpoint_format: "unicron" or "megatron"
     (Megatron-Core's distributed checkpoint). initial_checkpoint: a Megatron-LM checkpoint to
-    start from (initial_checkpoint_weights_only: its weights only)."""
+    start from (initial_checkpoint_weights_only: its weights only). replication: 2 keeps a
+    buddy copy of each rank's optimizer shard on a peer of another node, 1 none (0: 2 under
+    the distributed optimizer, else 1)."""
 
     iterations: int = 100
     global_batch_size: int = 8
@@ -82,6 +84,12 @@ class Training:
     checkpoint_format: str = OPTIMIZER_DEFAULTS["checkpoint_format"]
     initial_checkpoint: str = ""
     initial_checkpoint_weights_only: bool = False
+    replication: int = 0
+
+    @property
+    def copies(self) -> int:
+        """The replication in force: ``replication``, else 2 under the distributed optimizer."""
+        return self.replication or (2 if self.distributed_optimizer else 1)
 
     def __post_init__(self) -> None:
         for name in ("iterations", "global_batch_size", "micro_batch_size", "tensor_parallel", "pipeline_parallel"):

@@ -74,9 +74,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from unicron.trainer import checkpoint, transfer
+from unicron.trainer import buddy, checkpoint, transfer
 from unicron.trainer.engine import PartialStep
-from unicron.trainer.optimizer_shards import SHARD_KEY, SHARDS_KEY, Place, data_parallel_of, pieces_to_exchange
+from unicron.trainer.optimizer_shards import (
+    SHARD_KEY,
+    SHARDS_KEY,
+    CopyPlace,
+    Holder,
+    Place,
+    data_parallel_of,
+    pieces_to_exchange,
+)
 from unicron.trainer.protocol import T, Trainer
 from unicron.trainer.snapshot import restore_nearest
 from unicron.trainer.tensor_bytes import StateError
@@ -88,6 +96,8 @@ log = logging.getLogger(__name__)
 
 SOURCE_LIVE = "live"
 SOURCE_PEER = "peer"
+# The state came from live peers, the optimizer shards of lost ranks from buddy copies.
+SOURCE_BUDDY = "buddy"
 NO_STATE = -1
 _ARRIVED_KEY = "unicron/arrived"
 _ARRIVAL_POLL_S = 0.01
@@ -361,13 +371,15 @@ def reform(
     snapshot_dir: str = "",
     superseded: Callable[[], bool] = lambda: False,
     namespace: str = "",
+    copy: buddy.Copy | None = None,
 ) -> tuple[T, checkpoint.Restored]:
     """Moves this rank from its process group to a new one and returns the new trainer and
     where its state came from. ``trainer`` is released (closed, without model and optimizer).
     ``keep_state=False`` (its state is not consistent, e.g. a step failed halfway through the
     update) makes it a receiver. ``timeout``: of the new group and of Megatron's groups in it.
     ``parked``: the rank left its group already (``park``); its state is the parked one.
-    ``namespace``: of the new group's keys on the store (see ``join``).
+    ``namespace``: of the new group's keys on the store (see ``join``). ``copy``: the buddy
+    copy of a peer's optimizer shard this rank keeps (buddy.py).
 
     Raises ReformFailed, holding the state as it was, when the group cannot be formed or the
     exchange breaks (a peer died meanwhile): a newer reform can still use that state."""
@@ -389,7 +401,7 @@ def reform(
         join(new_rank, new_world, master_addr, master_port, timeout, backend, superseded, namespace)
         log.info("joined the new process group", extra={"seconds": round(time.perf_counter() - joining, 3)})
         new = rebuild(trainer, timeout)
-        restored = exchange_state(new, held, checkpoint_dir, corrupt_transfer, snapshot_dir)
+        restored = exchange_state(new, held, checkpoint_dir, corrupt_transfer, snapshot_dir, copy)
     except Exception as exc:  # noqa: BLE001 - whatever broke the new group, the state is intact
         # A load happens only after the common verdict, so ``held`` is still this rank's
         # state. The half-formed group goes, so that a newer reform starts from nothing.
@@ -440,14 +452,24 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-def _gather_table(iteration: int, shard: tuple[int, int], held_dp: tuple[int, int], dp: tuple[int, int]) -> list[Place]:
+def _gather_table(
+    iteration: int, shard: tuple[int, int], held_dp: tuple[int, int], dp: tuple[int, int], copy: CopyPlace
+) -> tuple[list[Place], list[CopyPlace]]:
     """Every rank's place: its held iteration, slice, and the data-parallel (rank, degree) its
-    optimizer shard was taken at and is wanted at (degree 0: no sharded optimizer)."""
-    mine = torch.tensor([iteration, *shard, *held_dp, *dp], dtype=torch.int64, device=_device())
+    optimizer shard was taken at and is wanted at (degree 0: no sharded optimizer); and the
+    buddy copy it keeps (iteration or NO_STATE, and whose shard)."""
+    mine = torch.tensor([iteration, *shard, *held_dp, *dp, copy[0], *copy[1]], dtype=torch.int64, device=_device())
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
     rows = [[int(v) for v in t] for t in everyone]
-    return [(r[0], (r[1], r[2]), (r[3], r[4]), (r[5], r[6])) for r in rows]
+    return [(r[0], (r[1], r[2]), (r[3], r[4]), (r[5], r[6])) for r in rows], [(r[7], (r[8], r[9])) for r in rows]
+
+
+def _copy_place(copy: buddy.Copy | None, trainer: Trainer) -> CopyPlace:
+    """What a buddy copy counts for: nothing when there is none or it is of another slice."""
+    if copy is None or copy.slice != trainer.shard:
+        return (NO_STATE, (0, 0))
+    return (copy.iteration, copy.owner)
 
 
 def _data_parallel_places(trainer: Trainer, held: Held | None) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -458,16 +480,38 @@ def _data_parallel_places(trainer: Trainer, held: Held | None) -> tuple[tuple[in
     return (data_parallel_of(own) if own is not None else (0, 0)), wanted
 
 
-def _exchange_shards(holders: list[int], held: Held | None, group: Any) -> list[dict[str, Any]]:
-    """Collective over ``group``: each of ``holders`` in turn broadcasts its optimizer shard;
-    returns all of them (StateError once every broadcast took place, if one failed here)."""
+def _shard_held(held: Held | None, copy: buddy.Copy | None, key: tuple[int, int]) -> dict[str, Any]:
+    """The shard taken at ``key`` (data-parallel rank, degree) that this rank holds: its own,
+    or the buddy copy it keeps (checked against the sender's checksum)."""
+    own = held.state.get(SHARD_KEY) if held is not None else None
+    if own is not None and data_parallel_of(own) == key:
+        return own
+    if copy is not None and copy.owner == key:
+        try:
+            return copy.shard()
+        except ValueError as exc:
+            raise StateError(str(exc)) from None
+    raise StateError(f"holds no optimizer shard of data-parallel rank {key[0]} of {key[1]}")
+
+
+def _exchange_shards(
+    holders: list[Holder], held: Held | None, copy: buddy.Copy | None, group: Any
+) -> list[dict[str, Any]]:
+    """Collective over ``group``: each holder in turn broadcasts the shard it holds (its own
+    or a buddy copy); returns all of them (StateError once every broadcast took place, if one
+    failed here)."""
     shards: list[dict[str, Any]] = []
     problem = ""
-    for holder in holders:
-        own = held.state[SHARD_KEY] if held is not None and dist.get_rank() == holder else None
+    for holder, key in holders:
+        mine: dict[str, Any] | None = None
         try:
-            got = transfer.broadcast_state(None if own is None else {SHARD_KEY: own}, holder, group, _device())
-            shard = own if own is not None else (got or {}).get(SHARD_KEY)
+            if dist.get_rank() == holder:
+                try:
+                    mine = _shard_held(held, copy, key)
+                except StateError as exc:
+                    problem = problem or str(exc)
+            got = transfer.broadcast_state(None if mine is None else {SHARD_KEY: mine}, holder, group, _device())
+            shard = mine if mine is not None else (got or {}).get(SHARD_KEY)
             if not isinstance(shard, dict):
                 raise StateError(f"rank {holder} sent no optimizer shard")
             shards.append(shard)
@@ -495,9 +539,11 @@ def exchange_state(
     checkpoint_dir: str = "",
     corrupt_transfer: bool = False,
     snapshot_dir: str = "",
+    copy: buddy.Copy | None = None,
 ) -> checkpoint.Restored:
     """Collective over the current world: makes every rank's ``trainer`` hold the newest state
-    any rank holds (see the module docstring) and returns where this rank's came from."""
+    any rank holds (see the module docstring) and returns where this rank's came from.
+    ``copy``: the buddy copy of a peer's optimizer shard this rank keeps (buddy.py)."""
     rank = dist.get_rank()
     if held is not None and held.shard != trainer.shard:
         # Same shapes, other weights: a shard is only ever loaded where it belongs.
@@ -506,21 +552,25 @@ def exchange_state(
         )
         held = None
     held_dp, wanted_dp = _data_parallel_places(trainer, held)
-    places = _gather_table(NO_STATE if held is None else held.iteration, trainer.shard, held_dp, wanted_dp)
+    places, copies = _gather_table(
+        NO_STATE if held is None else held.iteration, trainer.shard, held_dp, wanted_dp, _copy_place(copy, trainer)
+    )
     plan = make_plan([(it, *slice_) for it, slice_, _, _ in places])
     shard = trainer.shard
     state: dict[str, Any] | None = None
     source = SOURCE_LIVE
     # Under the distributed optimizer a rank's own shard moves apart from the model: the
     # data-parallel ranks of a slice exchange every shard held when any of them needs another.
-    exchange, problem = pieces_to_exchange(places, plan.target) if not plan.problem else ({}, plan.problem)
+    exchange, problem = pieces_to_exchange(places, plan.target, copies) if not plan.problem else ({}, plan.problem)
     if not problem:
         state, source, problem = _model_state(trainer, held, plan, corrupt_transfer)
         if exchange.get(shard):
             # Every rank of the slice takes part, whatever its own model state came to.
             try:
-                shards = _exchange_shards(exchange[shard], held, trainer.data_parallel_group())
+                shards = _exchange_shards(exchange[shard], held, copy, trainer.data_parallel_group())
                 state = None if state is None else {**_without_shard(state), SHARDS_KEY: shards}
+                if any(places[holder][2] != key for holder, key in exchange[shard]):
+                    source = SOURCE_BUDDY  # a lost rank's shard came from a buddy's memory
             except StateError as exc:
                 problem, state = problem or f"rank {rank}: {exc}", None
                 log.error("optimizer shards unusable: %s", exc)

@@ -138,6 +138,9 @@ class Run:
     interrupted: bool = False
     # The last checkpoint's and snapshot's outcome, told on every report.
     durability: Durability = field(default_factory=Durability)
+    # The buddy copy of a peer's optimizer shard this rank keeps (buddy.BuddyCopies; set by
+    # the training loop under the distributed optimizer).
+    buddies: Any = None
 
     def __post_init__(self) -> None:
         if self.generation < 0:

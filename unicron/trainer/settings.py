@@ -25,6 +25,11 @@ class TrainerConfig:
     master_addr: str = setting("127.0.0.1", "rank 0's host, where the process group meets")
     master_port: int = setting(29500, "rank 0's port, where the process group meets")
     agent: str = setting("", "host:port of this node's agent (required)")
+    node: str = setting(
+        "",
+        "the node this rank runs on, as the cluster names it: a buddy copy of its optimizer shard is kept on "
+        "another (empty: told apart by the agent's address)",
+    )
     spec: str = setting("", "the job spec, as JSON (required)")
     collective_timeout_s: float = setting(
         timeouts.COLLECTIVE_S, "a torch.distributed collective (Megatron's groups included) fails after this long"
