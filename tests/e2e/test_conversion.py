@@ -6,9 +6,6 @@ heals, trains every iteration, succeeds, and leaves its trained model where the 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,8 +13,9 @@ import pytest
 import yaml
 
 from tests.e2e.conftest import running, wait_for
+from tests.e2e.test_demo_path import unicron
 from unicron.v1 import common_pb2
-from unicron_dev.localcluster import ROOT, LocalCluster
+from unicron_dev.localcluster import LocalCluster
 
 pytestmark = pytest.mark.e2e
 
@@ -36,18 +34,6 @@ SPEC = {
     },
 }
 ENDED = (common_pb2.JOB_STATE_SUCCEEDED, common_pb2.JOB_STATE_FAILED, common_pb2.JOB_STATE_CANCELLED)
-
-
-def unicron(cluster: LocalCluster, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "unicron.cli", "--coordinator", cluster.coordinator, *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=check,
-        cwd=ROOT,
-        env={**os.environ, **cluster.client_env()},
-    )
 
 
 @pytest.fixture(scope="module")
