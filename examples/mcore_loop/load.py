@@ -59,7 +59,10 @@ def main(argv: list[str] | None = None) -> None:
             found = {"rank": torch.distributed.get_rank(), "iterations": [iteration for _, iteration in models]}
             if len(models) == 2:
                 found["distance"] = distance(models[0][0], models[1][0])
-        print(json.dumps(found), flush=True)
+        # One write per line: two ranks share the launcher's pipe, and print's separate
+        # newline lets their lines run together.
+        sys.stdout.write(json.dumps(found) + "\n")
+        sys.stdout.flush()
     finally:
         parallel_state.destroy_model_parallel()
         torch.distributed.destroy_process_group()

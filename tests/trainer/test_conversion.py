@@ -100,13 +100,22 @@ def test_the_final_checkpoint_loads_in_a_plain_script(trained: tuple[Path, Run, 
             processes=processes,
         )
         assert loaded.returncode == 0, loaded.output[-4000:]
-        ranks = [json.loads(line) for line in loaded.output.splitlines() if line.startswith('{"rank"')]
+        ranks = rank_reports(loaded.output)
         assert sorted(r["rank"] for r in ranks) == list(range(processes)), loaded.output[-4000:]
         for found in ranks:
             assert found["iterations"] == [ITERATIONS, None]
             # Loaded, it is the original's trained model up to Adam's rounding (two models that
             # failed to load would be two random initializations, about 1.4 apart).
             assert found["distance"] < 1e-2, found
+
+
+def rank_reports(output: str) -> list[dict[str, object]]:
+    """Every ``{"rank": ...}`` object printed, also where two ranks' lines ran together."""
+    decoder = json.JSONDecoder()
+    found = []
+    for start in (m.start() for m in re.finditer(r'\{"rank"', output)):
+        found.append(decoder.raw_decode(output, start)[0])
+    return found
 
 
 def diff_counts(before: list[str], after: list[str], from_line: int = 0) -> tuple[int, int]:
