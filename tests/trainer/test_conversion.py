@@ -15,6 +15,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -109,7 +110,7 @@ def test_the_final_checkpoint_loads_in_a_plain_script(trained: tuple[Path, Run, 
             assert found["distance"] < 1e-2, found
 
 
-def rank_reports(output: str) -> list[dict[str, object]]:
+def rank_reports(output: str) -> list[dict[str, Any]]:
     """Every ``{"rank": ...}`` object printed, also where two ranks' lines ran together."""
     decoder = json.JSONDecoder()
     found = []
