@@ -80,11 +80,11 @@ from unicron.trainer.optimizer_shards import (
     SHARD_KEY,
     SHARDS_KEY,
     CopyPlace,
-    Holder,
     Place,
     data_parallel_of,
     pieces_to_exchange,
 )
+from unicron.trainer.piece_moves import reshard
 from unicron.trainer.protocol import T, Trainer
 from unicron.trainer.snapshot import restore_nearest
 from unicron.trainer.tensor_bytes import StateError
@@ -480,48 +480,6 @@ def _data_parallel_places(trainer: Trainer, held: Held | None) -> tuple[tuple[in
     return (data_parallel_of(own) if own is not None else (0, 0)), wanted
 
 
-def _shard_held(held: Held | None, copy: buddy.Copy | None, key: tuple[int, int]) -> dict[str, Any]:
-    """The shard taken at ``key`` (data-parallel rank, degree) that this rank holds: its own,
-    or the buddy copy it keeps (checked against the sender's checksum)."""
-    own = held.state.get(SHARD_KEY) if held is not None else None
-    if own is not None and data_parallel_of(own) == key:
-        return own
-    if copy is not None and copy.owner == key:
-        try:
-            return copy.shard()
-        except ValueError as exc:
-            raise StateError(str(exc)) from None
-    raise StateError(f"holds no optimizer shard of data-parallel rank {key[0]} of {key[1]}")
-
-
-def _exchange_shards(
-    holders: list[Holder], held: Held | None, copy: buddy.Copy | None, group: Any
-) -> list[dict[str, Any]]:
-    """Collective over ``group``: each holder in turn broadcasts the shard it holds (its own
-    or a buddy copy); returns all of them (StateError once every broadcast took place, if one
-    failed here)."""
-    shards: list[dict[str, Any]] = []
-    problem = ""
-    for holder, key in holders:
-        mine: dict[str, Any] | None = None
-        try:
-            if dist.get_rank() == holder:
-                try:
-                    mine = _shard_held(held, copy, key)
-                except StateError as exc:
-                    problem = problem or str(exc)
-            got = transfer.broadcast_state(None if mine is None else {SHARD_KEY: mine}, holder, group, _device())
-            shard = mine if mine is not None else (got or {}).get(SHARD_KEY)
-            if not isinstance(shard, dict):
-                raise StateError(f"rank {holder} sent no optimizer shard")
-            shards.append(shard)
-        except StateError as exc:
-            problem = problem or str(exc)  # every holder still broadcasts; the others listen
-    if problem:
-        raise StateError(problem)
-    return shards
-
-
 def _without_shard(state: dict[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in state.items() if key != SHARD_KEY}
 
@@ -567,8 +525,8 @@ def exchange_state(
         if exchange.get(shard):
             # Every rank of the slice takes part, whatever its own model state came to.
             try:
-                shards = _exchange_shards(exchange[shard], held, copy, trainer.data_parallel_group())
-                state = None if state is None else {**_without_shard(state), SHARDS_KEY: shards}
+                owned = reshard(exchange[shard], None if held is None else held.state.get(SHARD_KEY), copy, trainer)
+                state = None if state is None else {**_without_shard(state), SHARDS_KEY: [owned]}
                 if any(places[holder][2] != key for holder, key in exchange[shard]):
                     source = SOURCE_BUDDY  # a lost rank's shard came from a buddy's memory
             except StateError as exc:

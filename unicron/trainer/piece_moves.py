@@ -1,0 +1,277 @@
+"""Moving named pieces between ranks: a plan of element ranges from the shards the ranks hold
+to the ranges each must own, and its execution point to point (docs/architecture.md: Sharded
+state).
+
+A shard is a set of pieces, each a range ``[start, end)`` of one parameter's flattened
+elements with its tensors (``optimizer_shards``). ``plan_moves`` is pure: given what every
+member of a group can send (its own shard, a buddy copy it keeps) and the ranges every member
+must own, it picks for each wanted range the pieces that cover it, the receiver's own first
+(no bytes move), then the sender covering the most, and names what no piece covers. Every
+member computes the same plan from the same table. ``run_moves`` then sends each pair of
+ranks one message (every range one sends the other, every tensor of it, in plan order) with
+the checksum of its bytes; a receiver assembles exactly the ranges it owns and checks every
+message before anything is used. No rank receives a range it will not own, and no rank holds
+more than its own shard and what it sends: the full gather onto one rank is what this
+replaces.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from unicron.trainer.buddy import Copy, checksum
+from unicron.trainer.optimizer_shards import SHARD_KEY, Holder, Ranges, data_parallel_of, ranges_of, shard_state
+from unicron.trainer.tensor_bytes import StateError
+
+log = logging.getLogger(__name__)
+
+# What a held shard's tensors are, per parameter name: ((tensor key, dtype name), ...), in
+# key order; the same for every piece of a parameter.
+Kinds = dict[str, tuple[tuple[str, str], ...]]
+
+
+@dataclass(frozen=True)
+class Offer:
+    """A shard a member can send: its ranges and what tensors each piece holds."""
+
+    ranges: Ranges
+    kinds: Kinds
+
+
+@dataclass(frozen=True)
+class Move:
+    """Elements ``[start, end)`` of parameter ``name``, from offer ``offer`` of member
+    ``sender`` to member ``receiver`` (indices into the group's members)."""
+
+    sender: int
+    offer: int
+    receiver: int
+    name: str
+    start: int
+    end: int
+
+
+def kinds_of(shard: dict[str, Any]) -> Kinds:
+    return {
+        name: tuple((key, str(t.dtype).removeprefix("torch.")) for key, t in sorted(piece["tensors"].items()))
+        for name, piece in shard["pieces"].items()
+    }
+
+
+def _cover(
+    name: str, start: int, end: int, receiver: int, offers: Sequence[Sequence[Offer]]
+) -> tuple[list[Move], int | None]:
+    """The moves that cover ``[start, end)`` of ``name`` for ``receiver``, and the first
+    element none covers (None when all are)."""
+    candidates = [
+        (sender != receiver, sender, index, lo, hi)
+        for sender, held in enumerate(offers)
+        for index, offer in enumerate(held)
+        if name in offer.ranges
+        for _, lo, hi in [offer.ranges[name]]
+        if lo < end and hi > start
+    ]
+    moves: list[Move] = []
+    at = start
+    while at < end:
+        reaching = [c for c in candidates if c[3] <= at < c[4]]
+        if not reaching:
+            return moves, at
+        # The receiver's own piece first (it moves nothing), then the one reaching farthest.
+        elsewhere, sender, index, _, hi = min(reaching, key=lambda c: (c[0], -c[4], c[1], c[2]))
+        stop = min(hi, end)
+        if elsewhere:  # hand over to the receiver's own piece where one begins
+            stop = min([stop] + [c[3] for c in candidates if not c[0] and at < c[3] < stop])
+        moves.append(Move(sender, index, receiver, name, at, stop))
+        at = stop
+    return moves, None
+
+
+def plan_moves(offers: Sequence[Sequence[Offer]], wanted: Sequence[Ranges]) -> tuple[list[Move], str]:
+    """Every move that gives each member (by index) the ranges it wants from what the members
+    offer, and why that is impossible ("" when it is not: then the moves are all of it)."""
+    moves: list[Move] = []
+    for receiver, ranges in enumerate(wanted):
+        for name, (numel, start, end) in sorted(ranges.items()):
+            sizes = {o.ranges[name][0] for held in offers for o in held if name in o.ranges}
+            if sizes - {numel}:
+                return [], f"{name} has {sorted(sizes)} elements in the shards held, {numel} in this model"
+            covered, gap = _cover(name, start, end, receiver, offers)
+            if gap is not None:
+                return [], f"{name} elements from {gap} are in no shard held"
+            moves.extend(covered)
+    return moves, ""
+
+
+def _element_bytes(dtype_name: str) -> int:
+    return torch.empty(0, dtype=getattr(torch, dtype_name)).element_size()
+
+
+def message_bytes(moves: Sequence[Move], offers: Sequence[Sequence[Offer]]) -> int:
+    """The bytes of one message carrying ``moves``, padded to whole 64-bit words (the checksum's)."""
+    size = sum(
+        (m.end - m.start) * _element_bytes(dtype) for m in moves for _, dtype in offers[m.sender][m.offer].kinds[m.name]
+    )
+    return (size + 7) // 8 * 8
+
+
+def _fill(moves: Sequence[Move], offers: Sequence[Sequence[Offer]], held: Sequence[dict[str, Any]]) -> torch.Tensor:
+    """One message: the moves' elements of the sender's held shards (``held``, in its offers'
+    order), every tensor of each range in key order, zero-padded to whole 64-bit words."""
+    data = torch.empty(message_bytes(moves, offers), dtype=torch.uint8)
+    at = 0
+    for m in moves:
+        piece = held[m.offer]["pieces"][m.name]
+        lo, hi = m.start - int(piece["start"]), m.end - int(piece["start"])
+        for _, tensor in sorted(piece["tensors"].items()):
+            flat = tensor.reshape(-1)[lo:hi].contiguous().view(torch.uint8)
+            data[at : at + flat.numel()].copy_(flat)
+            at += flat.numel()
+    data[at:].zero_()
+    return data
+
+
+def _unpack(moves: Sequence[Move], data: torch.Tensor, kinds: Kinds, owned: dict[str, Any]) -> None:
+    """Copies a message's elements into this rank's pieces (``owned``: name -> (numel, start,
+    end, tensors))."""
+    at = 0
+    for m in moves:
+        _, start, _, tensors = owned[m.name]
+        for key, dtype_name in kinds[m.name]:
+            target = tensors[key]
+            size = (m.end - m.start) * target.element_size()
+            if target.dtype != getattr(torch, dtype_name):
+                raise StateError(f"{m.name}'s {key} arrives as {dtype_name}, this rank holds {target.dtype}")
+            target[m.start - start : m.end - start].view(torch.uint8).copy_(data[at : at + size])
+            at += size
+
+
+@dataclass
+class Received:
+    """What ``run_moves`` gave this rank: its shard, and the bytes it kept and received."""
+
+    shard: dict[str, Any]
+    kept_bytes: int
+    received_bytes: int
+    senders: int
+
+
+def run_moves(
+    moves: Sequence[Move],
+    offers: Sequence[Sequence[Offer]],
+    held: Sequence[dict[str, Any]],
+    me: int,
+    members: Sequence[int],
+    group: Any,
+    wanted: Ranges,
+    place: tuple[int, int],
+    corrupt: bool = False,
+) -> Received:
+    """Collective over ``group`` (whose global ranks are ``members``; this rank is
+    ``members[me]``, holding the shards ``held`` in its offers' order): sends and receives
+    ``moves``, and returns the shard of ``wanted`` taken at ``place`` (data-parallel rank,
+    degree). StateError when a message fails its checksum, after every send and receive.
+    ``corrupt`` flips one byte of the first message this rank sends after its checksum was
+    taken (fault injection)."""
+    kinds = {name: kind for held_by in offers for o in held_by for name, kind in o.kinds.items()}
+    owned = {
+        name: (numel, start, end, {key: torch.empty(end - start, dtype=getattr(torch, dt)) for key, dt in kinds[name]})
+        for name, (numel, start, end) in wanted.items()
+    }
+    pairs: dict[tuple[int, int], list[Move]] = {}
+    for m in moves:
+        pairs.setdefault((m.sender, m.receiver), []).append(m)
+    ops, inbound, kept = [], [], 0
+    for (sender, receiver), group_moves in sorted(pairs.items()):
+        if sender == me == receiver:
+            local = _fill(group_moves, offers, held)
+            _unpack(group_moves, local, kinds, owned)
+            kept += local.numel()
+        elif sender == me:
+            data = _fill(group_moves, offers, held)
+            total = torch.tensor([checksum(data)], dtype=torch.int64)
+            if corrupt and data.numel():
+                data[data.numel() // 2] ^= 0xFF
+                corrupt = False
+            ops += [dist.P2POp(dist.isend, t, members[receiver], group) for t in (data, total)]
+        elif receiver == me:
+            data = torch.empty(message_bytes(group_moves, offers), dtype=torch.uint8)
+            total = torch.empty(1, dtype=torch.int64)
+            ops += [dist.P2POp(dist.irecv, t, members[sender], group) for t in (data, total)]
+            inbound.append((group_moves, data, total))
+    if ops:
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
+    for group_moves, data, total in inbound:
+        if checksum(data) != int(total):
+            raise StateError(f"the optimizer pieces from rank {members[group_moves[0].sender]} fail their checksum")
+        _unpack(group_moves, data, kinds, owned)
+    return Received(
+        shard_state(*place, owned),
+        kept_bytes=kept,
+        received_bytes=sum(d.numel() for _, d, _ in inbound),
+        senders=len(inbound),
+    )
+
+
+def shard_held(own: dict[str, Any] | None, copy: Copy | None, key: tuple[int, int]) -> dict[str, Any]:
+    """The shard taken at ``key`` (data-parallel rank, degree) that this rank holds: its own,
+    (``own``) or the buddy copy it keeps (checked against the sender's checksum)."""
+    if own is not None and data_parallel_of(own) == key:
+        return own
+    if copy is not None and copy.owner == key:
+        try:
+            return copy.shard()
+        except ValueError as exc:
+            raise StateError(str(exc)) from None
+    raise StateError(f"holds no optimizer shard of data-parallel rank {key[0]} of {key[1]}")
+
+
+def reshard(holders: list[Holder], own: dict[str, Any] | None, copy: Copy | None, trainer: Any) -> dict[str, Any]:
+    """Collective over ``trainer``'s data-parallel group: the shard this rank owns now, its
+    ranges taken from the shards the holders send (their own or a buddy copy) by the plan of
+    point-to-point moves above. StateError, the same on every rank, when a holder's
+    shard is unusable or the shards held do not cover every rank's ranges; after the moves, when
+    a message fails its checksum."""
+    group = trainer.data_parallel_group()
+    members = list(dist.get_process_group_ranks(group))
+    rank = dist.get_rank()
+    mine: list[dict[str, Any]] = []
+    problem = ""
+    for holder, key in holders:
+        if holder == rank:
+            try:
+                mine.append(shard_held(own, copy, key))
+            except StateError as exc:
+                problem = problem or f"rank {rank}: {exc}"
+    wanted = ranges_of(trainer.state_dict()[SHARD_KEY])
+    told: list[Any] = [None] * len(members)
+    offers = [] if problem else [Offer(ranges_of(s), kinds_of(s)) for s in mine]
+    dist.all_gather_object(told, (offers, wanted, problem), group=group)
+    problem = next((said for _, _, said in told if said), "")
+    if problem:
+        raise StateError(problem)
+    moves, problem = plan_moves([o for o, _, _ in told], [w for _, w, _ in told])
+    if problem:
+        raise StateError(f"the optimizer shards held cannot be resharded: {problem}")
+    got = run_moves(
+        moves,
+        [o for o, _, _ in told],
+        mine,
+        members.index(rank),
+        members,
+        group,
+        wanted,
+        (trainer.data_parallel_rank, trainer.data_parallel_size),
+    )
+    log.info(
+        "optimizer shard resharded",
+        extra={"kept_bytes": got.kept_bytes, "received_bytes": got.received_bytes, "senders": got.senders},
+    )
+    return got.shard
