@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from unicron.errors import InvalidArgument
-from unicron_sim import model, timings, traces
+from unicron_sim import llama3, model, timings, traces
 from unicron_sim import strategies as strategy
 from unicron_sim.runner import RunResult, simulate
 
@@ -27,6 +27,10 @@ class Scenario:
     strategies: tuple[str, ...] = strategy.STRATEGIES
     unicron: strategy.UnicronSettings = field(default_factory=strategy.UnicronSettings)
     elastic: strategy.ElasticSettings = field(default_factory=strategy.ElasticSettings)
+    # The large jobs under Megatron's distributed optimizer (None: the preset's), and their
+    # training.replication (0: the default, buddy copies on; 1: none).
+    distributed_optimizer: bool | None = None
+    replication: int = 0
 
     def __post_init__(self) -> None:
         if self.preset not in traces.PRESETS:
@@ -36,6 +40,8 @@ class Scenario:
             raise InvalidArgument(
                 "strategies", f"unknown {', '.join(unknown) or '(none given)'}; known: {', '.join(strategy.STRATEGIES)}"
             )
+        if self.replication not in (0, 1, 2):
+            raise InvalidArgument("replication", f"must be 1 (no buddy copy) or 2 (one), got {self.replication}")
         if self.days is not None and not self.days > 0:
             raise InvalidArgument("days", "must be > 0")
         for name in ("failure_rate_per_node_per_s", "repair_mean_s"):
@@ -60,7 +66,11 @@ def prepare(scenario: Scenario) -> tuple[model.ClusterModel, list[traces.Failure
     Reads and checks a trace file completely before anything is simulated."""
     preset = traces.PRESETS[scenario.preset]
     gpus = scenario.gpus or preset.gpus
-    cluster = model.workload(gpus)
+    sharded = preset.distributed_optimizer if scenario.distributed_optimizer is None else scenario.distributed_optimizer
+    if preset.workload == "llama3-405b":
+        cluster = llama3.cluster(gpus, sharded, scenario.replication)
+    else:
+        cluster = model.workload(gpus, sharded, scenario.replication)
     days = scenario.days if scenario.days is not None else preset.days
     if scenario.trace_file is not None:
         trace = traces.load_csv(scenario.trace_file, cluster.nodes)
@@ -89,9 +99,12 @@ def prepare(scenario: Scenario) -> tuple[model.ClusterModel, list[traces.Failure
 def run(scenario: Scenario, results_dir: Path = timings.RESULTS_DIR, samples: int = 200) -> Outcome:
     cluster, trace, duration, rate = prepare(scenario)
     measured = timings.load(results_dir)
+    # The llama3-405b preset's checkpoint-restart is calibrated on Meta's published figures.
+    calibrated = traces.PRESETS[scenario.preset].workload == "llama3-405b"
     config = strategy.StrategyConfig(
         timings=measured,
         failure_rate_per_node_per_s=rate,
+        checkpoint=llama3.checkpoint_settings() if calibrated else strategy.CheckpointSettings(),
         unicron=scenario.unicron,
         elastic=scenario.elastic,
         seed=scenario.seed,

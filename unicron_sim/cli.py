@@ -47,6 +47,20 @@ def add_parser(sub: Any, help_text: str) -> None:
         "shard) as a reform from a peer too, instead of the snapshot restart the coordinator does",
     )
     cmd.add_argument(
+        "--replicated-optimizer",
+        action="store_true",
+        help="run the large jobs without Megatron's distributed optimizer (meta-16k, scale-100k and llama3-405b "
+        "shard it by default)",
+    )
+    cmd.add_argument(
+        "--replication",
+        type=int,
+        choices=(1, 2),
+        default=None,
+        help="distributed-optimizer jobs' training.replication: 2 (default) keeps a buddy copy of every shard on "
+        "another node; 1 keeps none (a lost shard from the snapshot or the checkpoint)",
+    )
+    cmd.add_argument(
         "--elastic-factor",
         type=float,
         default=None,
@@ -72,6 +86,8 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
             dp_hint=not args.no_dp_hint, model_parallel_reform=args.reform_model_parallel
         ),
         elastic=strategies.ElasticSettings.uniform(args.elastic_factor),
+        distributed_optimizer=False if args.replicated_optimizer else None,
+        replication=args.replication or 0,
     )
     outcome = sim.run(scenario)
     if args.save_trace is not None:

@@ -17,7 +17,9 @@ A job changed by a re-plan without being hit gets a ``replan`` record, priced th
 
 Effective training time (``JobRun.up_s``): the seconds a job trains, at whatever size; the
 strategies charge lost and recomputed work as time down, so it is productive time. ETTR is its
-share of the wall time (``runner.RunResult.ettr``).
+share of the wall time (``runner.RunResult.ettr``). A strategy whose jobs spend part of each
+iteration on something else (Unicron's buddy copies: ``sharded``) says so by ``job_factor``: the
+job's WAF and its training time are both charged at that share (``JobRun.effective``).
 
 Strategies (``strategies``) act through the methods below; the loop itself knows no policy.
 """
@@ -81,6 +83,7 @@ class JobRun:
     resume_t: float = 0.0  # when the scheduled resume is due
     up_s: float = 0.0  # seconds trained until up_since
     up_since: float = 0.0
+    effective: float = 1.0  # the share of its up time that trains (Strategy.job_factor)
     extra: dict[str, Any] = field(default_factory=dict)  # a strategy's own per-job state
 
     @property
@@ -102,6 +105,8 @@ class Strategy(Protocol):
 
     def on_repair(self, sim: Sim, node: int) -> None: ...
 
+    def job_factor(self, job: JobModel, gpus: int) -> float: ...
+
 
 class Sim:
     def __init__(self, cluster: ClusterModel, strategy: Strategy, duration_s: float, samples: int = 200) -> None:
@@ -116,6 +121,7 @@ class Sim:
         self.jobs: list[JobRun] = []
         for i, (job, nodes) in enumerate(zip(cluster.jobs, cluster.initial_placement(), strict=True)):
             run = JobRun(job, i, list(nodes))
+            run.effective = self._effective(run)
             run.rate = self._rate(run)
             for n in nodes:
                 self.owner[n] = i
@@ -161,7 +167,7 @@ class Sim:
         for job in self.jobs:
             self._accrue(job)
             if job.up:
-                job.up_s += self.now - job.up_since
+                job.up_s += (self.now - job.up_since) * job.effective
                 job.up_since = self.now
 
     def _advance(self, t: float) -> None:
@@ -178,21 +184,24 @@ class Sim:
 
     # --- rates ---------------------------------------------------------------------------------
 
+    def _effective(self, job: JobRun) -> float:
+        return self.strategy.job_factor(job.model, job.gpus) if job.gpus else 1.0
+
     def _rate(self, job: JobRun) -> float:
         if not job.up:
             return 0.0
         scale = job.extra.get("rate_scale")
         if scale is not None:  # strategies that run on any node count (linear in nodes)
             return float(scale) * self.strategy.factor
-        return job.model.waf(job.gpus) * self.strategy.factor
+        return job.model.waf(job.gpus) * self.strategy.factor * job.effective
 
     def _set_up(self, job: JobRun, up: bool) -> None:
         self._accrue(job)  # charged at the state it was in until now
-        if job.up and not up:
-            job.up_s += self.now - job.up_since
-        elif up and not job.up:
-            job.up_since = self.now
+        if job.up:
+            job.up_s += (self.now - job.up_since) * job.effective
+        job.up_since = self.now
         job.up = up
+        job.effective = self._effective(job)  # its size may have changed while it was down
         self._set_rate(job)
 
     def _set_rate(self, job: JobRun) -> None:

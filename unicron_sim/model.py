@@ -22,6 +22,17 @@ Megatron's distributed optimizer (``training.distributed_optimizer``) the main p
 moments are sharded over the data-parallel ranks too, so ``b`` depends on the size the job
 runs at (``state_bytes_per_rank(gpus)``).
 
+Distributed-optimizer jobs (``distributed_optimizer=True``, as LLM teams train: bf16, Megatron's
+distributed optimizer) split that state in two, because the two halves heal from different
+places: the *model slice* (``slice_bytes_per_rank``: the bf16 parameters of the rank's (tensor,
+pipeline) position, 2 bytes each, the same on every data-parallel rank, so a lost rank takes it
+from any live peer) and the *optimizer shard* (``shard_bytes_per_rank``: fp32 main parameters
+and Adam's two moments, 12 bytes per parameter over the data-parallel degree, on this rank
+alone). The fp32 gradients (4 bytes) are recomputed, never moved. ``replication`` is the job
+spec's (``training.replication``): 0 or 2 keeps a buddy copy of every shard in the host memory
+of a data-parallel peer on another node (``unicron/trainer/buddy.py``); 1 keeps none. What a
+transition moves and what the copies cost: ``sharded``.
+
 Throughput profile. T(x) for every allowed size comes from the planner's own estimate
 (``services.planner.domain.ThroughputEstimate``: 6 x parameters x tokens per step, 40% MFU on
 H100 bf16 peak, an exposed ring all-reduce of fp32 gradients), so it is sub-linear in the
@@ -59,6 +70,12 @@ CHECKPOINT_INTERVAL_S = 1800.0
 SNAPSHOT_EVERY = 2
 # Iterations a job is submitted for: any number; the simulation ends before it matters.
 ITERATIONS = 1_000_000
+# A distributed-optimizer job's state per parameter of its slice (module docstring: State):
+# bf16 parameters, replicated over data parallelism; fp32 main parameter and Adam's two fp32
+# moments, sharded over it (jobspec.state_bytes_per_parameter: 2 + 4 + 12 / DP, the 4 being the
+# fp32 gradients, recomputed rather than moved).
+SLICE_BYTES_PER_PARAMETER = 2
+SHARD_BYTES_PER_PARAMETER = 12
 
 
 def gpt_parameters(layers: int, hidden: int, vocab: int, seq_length: int) -> float:
@@ -83,9 +100,19 @@ class JobModel:
     max_dp: int
     start_dp: int
     global_batch: int  # samples (of SEQ_LENGTH tokens) per step
+    # bf16 with Megatron's distributed optimizer (module docstring: State); replication as the
+    # spec's training.replication (0: the default, 2 under the distributed optimizer).
+    distributed_optimizer: bool = False
+    replication: int = 0
+    checkpoint_every_s: float = CHECKPOINT_INTERVAL_S
 
     def __post_init__(self) -> None:
         where = f"job {self.job_id!r}"
+        _require(
+            self.checkpoint_every_s > 0 and math.isfinite(self.checkpoint_every_s),
+            f"{where}.checkpoint_every_s",
+            "must be a finite number > 0",
+        )
         _require(bool(self.job_id), "job_id", "must not be empty")
         _require(self.weight > 0 and math.isfinite(self.weight), f"{where}.weight", "must be a finite number > 0")
         for name in ("layers", "hidden", "pipeline", "min_dp", "max_dp", "start_dp", "global_batch"):
@@ -159,10 +186,29 @@ class JobModel:
         per_parameter = jobspec.state_bytes_per_parameter(self._training, max(1, gpus // unit))
         return self.parameters * per_parameter / unit
 
+    def data_parallel(self, gpus: int) -> int:
+        return max(1, gpus // (self.tensor * self.pipeline))
+
+    @property
+    def slice_bytes_per_rank(self) -> float:
+        """A distributed-optimizer rank's model slice: the bf16 parameters every data-parallel
+        peer also holds (module docstring: State)."""
+        return self.parameters / (self.tensor * self.pipeline) * SLICE_BYTES_PER_PARAMETER
+
+    def shard_bytes_per_rank(self, gpus: int) -> float:
+        """A distributed-optimizer rank's optimizer shard at size ``gpus``: held by it alone (and
+        by its buddy's copy)."""
+        return self.parameters / (self.tensor * self.pipeline) * SHARD_BYTES_PER_PARAMETER / self.data_parallel(gpus)
+
+    @property
+    def buddy_copies(self) -> bool:
+        """Whether every optimizer shard has a buddy copy on another node (spec's replication)."""
+        return self.distributed_optimizer and self.replication != 1
+
     @cached_property
     def checkpoint_interval(self) -> int:
-        """Iterations between persistent checkpoints: about CHECKPOINT_INTERVAL_S at the start size."""
-        return max(1, round(CHECKPOINT_INTERVAL_S / self.iteration_s(self.start_nodes * GPUS_PER_NODE)))
+        """Iterations between persistent checkpoints: about ``checkpoint_every_s`` at the start size."""
+        return max(1, round(self.checkpoint_every_s / self.iteration_s(self.start_nodes * GPUS_PER_NODE)))
 
     def spec(self) -> pb.JobSpec:
         """The job as a user would submit it: program, model size, parallelism, batch, weight and
@@ -180,6 +226,10 @@ class JobModel:
         spec.training.global_batch_size = self.global_batch
         spec.training.micro_batch_size = 1
         spec.training.checkpoint_interval = self.checkpoint_interval
+        if self.distributed_optimizer:
+            spec.training.precision = "bf16"
+            spec.training.distributed_optimizer = True
+        spec.training.replication = self.replication
         for size, flops in self.profile.items():
             spec.throughput[size] = flops
         return spec
@@ -268,11 +318,12 @@ LARGE_MIX: tuple[tuple[str, int, float, float, int], ...] = (
 SHRINK_TO = 0.75
 
 
-def large_workload(nodes: int, jobs: int) -> ClusterModel:
+def large_workload(nodes: int, jobs: int, distributed_optimizer: bool = False, replication: int = 0) -> ClusterModel:
     """``jobs`` jobs (a multiple of len(LARGE_MIX) works best) over ``nodes`` nodes. Each mix
     entry's share of the nodes is split evenly between its copies; each job takes the largest
     data-parallel degree that splits its batch and fits its share, and what that leaves free is
-    spare (about 6% of the nodes at 16k and 100k GPUs)."""
+    spare (about 6% of the nodes at 16k and 100k GPUs). ``distributed_optimizer`` and
+    ``replication``: every job's (module docstring: State)."""
     _require(jobs >= len(LARGE_MIX), "jobs", f"must be at least {len(LARGE_MIX)}")
     copies = [jobs // len(LARGE_MIX) + (1 if i < jobs % len(LARGE_MIX) else 0) for i in range(len(LARGE_MIX))]
     out: list[JobModel] = []
@@ -292,17 +343,21 @@ def large_workload(nodes: int, jobs: int) -> ClusterModel:
                     max_dp=dp,
                     start_dp=dp,
                     global_batch=batch,
+                    distributed_optimizer=distributed_optimizer,
+                    replication=replication,
                 )
             )
     return ClusterModel(nodes, tuple(out))
 
 
-def workload(gpus: int) -> ClusterModel:
-    """The job mix for a cluster of ``gpus`` GPUs (a multiple of GPUS_PER_NODE)."""
+def workload(gpus: int, distributed_optimizer: bool = False, replication: int = 0) -> ClusterModel:
+    """The job mix for a cluster of ``gpus`` GPUs (a multiple of GPUS_PER_NODE); at 256 nodes and
+    more, its jobs run ``distributed_optimizer`` with ``replication`` (the small mix keeps a
+    replicated optimizer: its tests and targets are about the ladder and the planner)."""
     _require(gpus % GPUS_PER_NODE == 0 and gpus > 0, "gpus", f"must be a positive multiple of {GPUS_PER_NODE}")
     nodes = gpus // GPUS_PER_NODE
     _require(nodes >= 16, "gpus", f"must be at least {16 * GPUS_PER_NODE}")
     if nodes < 256:
         return small_workload(nodes)
     # Tens of jobs at scale, each many nodes.
-    return large_workload(nodes, 16)
+    return large_workload(nodes, 16, distributed_optimizer, replication)

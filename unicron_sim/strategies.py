@@ -17,7 +17,10 @@ unicron (this project; He et al., "Unicron", arXiv 2401.00134, SIGMOD'24 version
     (``services.coordinator.ladder.choose``). Every transition costs what ``transitions`` says
     for the job's shape and size: the fitted line of the action the project takes for it
     (reattempt; restart from a peer or from the node's snapshot; shrink, grow, or a checkpoint
-    restart) over the job's state per rank, the rendezvous of its world, and the work it loses.
+    restart) over the job's state per rank, the rendezvous of its world, and the work it loses;
+    a distributed-optimizer job's by what it moves and from where (``sharded``: the slice from a
+    peer, the shard from its buddy, the resharded ranges; a snapshot or the checkpoint when a
+    rank and its buddy were lost together), its buddy copies charged on every iteration.
     A reconfigure isolates the node and re-plans *every* job with the real CP-SAT planner in
     process (``planning``), handed those same costs as its transition estimates; a repaired
     node's return re-plans too, and so does the jobs' arrival at the start (which the
@@ -85,7 +88,7 @@ from dataclasses import dataclass, field
 from services.coordinator import ladder
 from unicron.failures import TAXONOMY, kind_name
 from unicron.v1 import common_pb2 as pb
-from unicron_sim import transitions
+from unicron_sim import sharded, transitions
 from unicron_sim.engine import Incident, JobRun, Sim
 from unicron_sim.model import GPUS_PER_NODE, JobModel
 from unicron_sim.planning import Estimates, Move, Planner
@@ -141,6 +144,8 @@ class UnicronSettings:
     dp_hint: bool = True
     # A planner that finds no plan is asked again after this (the coordinator's backoff cap).
     replan_retry_s: float = 30.0
+    # What the distributed-optimizer jobs' buddy copies cost each iteration (sharded).
+    buddy: sharded.BuddySettings = field(default_factory=sharded.BuddySettings)
 
     def __post_init__(self) -> None:
         for name, p in self.remedy_failure.items():
@@ -201,6 +206,10 @@ class _Base:
     def on_repair(self, sim: Sim, node: int) -> None:
         return None
 
+    def job_factor(self, job: JobModel, gpus: int) -> float:
+        """The share of each iteration that trains (1: nothing but the step)."""
+        return 1.0
+
     def _hit(self, sim: Sim, event: FailureEvent) -> tuple[JobRun, Incident] | None:
         """Takes a broken node out; the job hit and its incident, if a job trains there."""
         if is_hardware(event.kind):
@@ -247,16 +256,25 @@ class Unicron(_Base):
         )
         self._arrive(sim)
 
-    def cost(self, job: JobModel, kind: str, gpus: int) -> float:
-        """Seconds a change of ``kind`` costs ``job`` on ``gpus`` GPUs (``transitions``)."""
-        return transitions.seconds(job, kind, gpus, self.timings.fit, self.settings.model_parallel_reform)
+    def job_factor(self, job: JobModel, gpus: int) -> float:
+        return sharded.effective_share(job, gpus, self.settings.buddy)
+
+    def cost(self, job: JobModel, kind: str, gpus: int, run: JobRun | None = None) -> float:
+        """Seconds a change of ``kind`` costs ``job`` on ``gpus`` GPUs (``transitions``); with
+        ``run``, from its size now and the memory its ranks lost since it last trained."""
+        before = source = None
+        if run is not None:
+            before, source = run.gpus, sharded.shard_source(job, run.gpus, sharded.lost_memory(run))
+        return transitions.seconds(
+            job, kind, gpus, self.timings.fit, self.settings.model_parallel_reform, before, source
+        )
 
     def move_cost(self, move: Move) -> float:
         """What the simulator charges for a planned change (the planner's estimate may differ)."""
         if move.kind == "pause" or not move.nodes:
             return 0.0
         kind = "start" if move.kind == "start" else (move.transition or "restart")
-        return self.cost(move.job.model, kind, len(move.nodes) * GPUS_PER_NODE)
+        return self.cost(move.job.model, kind, len(move.nodes) * GPUS_PER_NODE, move.job)
 
     def _arrive(self, sim: Sim) -> None:
         """The jobs' arrival: the coordinator plans them, all pending on an empty cluster,
@@ -284,6 +302,8 @@ class Unicron(_Base):
                 self._reconfigured(sim)  # capacity changed; the coordinator re-plans on a lost node
             return
         job, incident = hit
+        if is_hardware(event.kind):
+            sharded.note_lost(job, event.node, alive=False)
         sim.at(sim.now + inband_detection_s(event.kind, job, self.timings), self._decide, sim, job, incident, event)
 
     def _decide(self, sim: Sim, job: JobRun, incident: Incident, event: FailureEvent) -> None:
@@ -314,7 +334,10 @@ class Unicron(_Base):
         incident.remedy = name
         sim.count(f"remedy {name}")
         if decision.remedy in (pb.REMEDY_REATTEMPT, pb.REMEDY_RESTART):
-            seconds = self.cost(job.model, name, job.gpus)
+            if decision.remedy == pb.REMEDY_RESTART:
+                sharded.note_lost(job, event.node, alive=True)  # its processes restart; the node lives
+                self._count_source(sim, job)
+            seconds = self.cost(job.model, name, job.gpus, job)
             sim.resume_at(job, sim.now + seconds)
             if self.rng.random() < self.settings.remedy_failure.get(name, 0.0):
                 iteration = job.model.iteration_s(job.model.start_nodes * GPUS_PER_NODE)
@@ -342,7 +365,15 @@ class Unicron(_Base):
             return
         for move in moves:
             sim.count(f"plan {move.kind} {move.transition}".strip())
+            if move.nodes and move.kind != "start":
+                self._count_source(sim, move.job)
             sim.change(move.job, move.nodes, self.move_cost(move))
+
+    def _count_source(self, sim: Sim, job: JobRun) -> None:
+        """Counts where a distributed-optimizer job's lost shards come from (``sharded``)."""
+        lost = sharded.lost_memory(job)
+        if job.model.distributed_optimizer and lost:
+            sim.count(f"shards from {sharded.shard_source(job.model, job.gpus, lost)}")
 
 
 class UnicronAlone(Unicron):
@@ -363,7 +394,7 @@ class UnicronAlone(Unicron):
         size = job.model.best_size_within(len(alive))
         nodes = alive[: size // GPUS_PER_NODE]
         sim.count("shrink" if nodes else "wait for repair")
-        sim.change(job, nodes, self.cost(job.model, "resize", size) if nodes else 0.0)
+        sim.change(job, nodes, self.cost(job.model, "resize", size, job) if nodes else 0.0)
 
     def on_repair(self, sim: Sim, node: int) -> None:
         index = self.home[node]
@@ -378,7 +409,7 @@ class UnicronAlone(Unicron):
         nodes = sorted(job.nodes + extra[: size // GPUS_PER_NODE - len(job.nodes)])
         kind = "migrate" if any(n not in job.nodes for n in nodes) else "resize"
         sim.count("grow back")
-        sim.change(job, nodes, self.cost(job.model, kind, size))
+        sim.change(job, nodes, self.cost(job.model, kind, size, job))
 
 
 class CheckpointRestart(_Base):

@@ -20,10 +20,15 @@ interrupted iteration: half an iteration on average. A snapshot restart loses wh
 computed since the last snapshot, half the snapshot interval (``model.SNAPSHOT_EVERY``); a
 checkpoint restart half the checkpoint interval (``JobModel.checkpoint_interval``, about 30
 minutes). The iteration time is the job's at its size after the change.
+
+Distributed-optimizer jobs (``JobModel.distributed_optimizer``) are priced by what each change
+moves and where it comes from instead: the model slice from a peer, the optimizer shard from its
+buddy's copy, the resharded ranges, or a snapshot or checkpoint fallback (``sharded``).
 """
 
 from __future__ import annotations
 
+from unicron_sim import sharded
 from unicron_sim.model import GPUS_PER_NODE, SNAPSHOT_EVERY, JobModel
 from unicron_sim.timings import TransitionFit
 
@@ -59,11 +64,26 @@ def lost_iterations(job: JobModel, fitted_action: str) -> float:
     return 0.5
 
 
-def seconds(job: JobModel, kind: str, gpus: int, fit: TransitionFit, model_parallel_reform: bool = False) -> float:
+def seconds(
+    job: JobModel,
+    kind: str,
+    gpus: int,
+    fit: TransitionFit,
+    model_parallel_reform: bool = False,
+    before: int | None = None,
+    source: str | None = None,
+) -> float:
     """What a change of ``kind`` costs ``job``, which runs on ``gpus`` GPUs after it: the
-    action's fitted time plus the work it loses."""
+    action's fitted time plus the work it loses. A distributed-optimizer job's is what the change
+    moves from ``before`` GPUs (default: the same) with its lost shards from ``source`` (default:
+    ``sharded.likely_source``)."""
     if gpus <= 0:
         return 0.0
+    if job.distributed_optimizer:
+        chosen_source = source if source is not None else sharded.likely_source(job, kind)
+        if before is None:  # an estimate: a resize stands for a shrink by one replica
+            before = gpus + (job.tensor * job.pipeline if kind == "resize" else 0)
+        return sharded.seconds(job, kind, before, gpus, fit, chosen_source)
     chosen = action(job, kind, gpus, model_parallel_reform)
     world = gpus  # one rank per GPU
     moved = fit.seconds(chosen, job.state_bytes_per_rank(gpus), world)

@@ -51,3 +51,16 @@ def test_simulate_json(capsys: pytest.CaptureFixture[str]) -> None:
     data = json.loads(capsys.readouterr().out)
     assert code == 0
     assert data["gpus"] == 128 and data["runs"][0]["strategy"] == "unicron"
+
+
+def test_simulate_the_llama3_preset_without_buddy_copies(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    args = ["--json", "simulate", "--preset", "llama3-405b", "--days", "0.5", "--strategies", "unicron"]
+    code = cli.main([*args, "--replication", "1"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert data["gpus"] == 16_384 + 64 * 8 and data["runs"][0]["strategy"] == "unicron"
+    with pytest.raises(SystemExit) as exit_info:  # argparse refuses it, exit status 2
+        cli.main(["simulate", "--replication", "3"])
+    assert exit_info.value.code == cli.EXIT_USAGE
