@@ -29,7 +29,7 @@ def optimization_line(spec: common_pb2.JobSpec) -> str:
         if t.distributed_optimizer:
             parts[0] += ", distributed over the data-parallel ranks"
             if (t.replication or 2) > 1:
-                parts[0] += ", each shard's buddy copy on another node"
+                parts[0] += ", each shard's buddy copy on another node or failure domain"
     parts.append(f"clip grad norm {t.clip_grad:g}" if t.clip_grad else "no clipping")
     parts.append(f"weight decay {t.weight_decay:g}")
     schedule = f"lr {t.learning_rate:g} {t.lr_decay_style}"
@@ -100,8 +100,11 @@ def print_job(job: common_pb2.Job, out: TextIO) -> None:
         out.write(
             f"placement  {worker.node_id}: ranks {', '.join(map(str, worker.ranks))}"
             + (f" ({status}, generation {job.assignment.generation})" if status else "")
+            + (f" [{worker.failure_domain}]" if worker.failure_domain else "")
             + "\n"
         )
+    if job.assignment.copies:
+        out.write(f"copies     {copies_line(job.assignment)}\n")
     if job.remedies:
         out.write("remedies\n")
         for attempt in job.remedies:
@@ -130,3 +133,10 @@ def training_line(progress: common_pb2.JobProgress) -> str:
     if progress.validation_iteration:
         parts.append(f"validation loss {progress.validation_loss:.4f} (iteration {progress.validation_iteration})")
     return ", ".join(parts)
+
+
+def copies_line(assignment: common_pb2.Assignment) -> str:
+    """Where the buddy copies are, and whose each rank keeps (up to eight ranks shown)."""
+    kept = [(rank, by) for rank, by in enumerate(assignment.copy_kept_by) if by >= 0]
+    shown = ", ".join(f"{rank}->{by}" for rank, by in kept[:8]) + (", ..." if len(kept) > 8 else "")
+    return assignment.copies + (f" (rank -> keeper: {shown})" if shown else "")

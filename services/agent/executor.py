@@ -177,6 +177,7 @@ class CommandExecutor:
                     master_port=assignment.master_port,
                     agent=settings.trainer_address or p.address(),
                     node=settings.node_id,
+                    domain=settings.failure_domain,
                     spec=spec_json,
                     fault_injection=settings.fault_injection,
                     token=p.worker_tokens.issue(start.job_id, assignment.generation, rank),

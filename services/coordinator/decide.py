@@ -6,7 +6,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from services.coordinator import state
-from unicron import jobspec
+from unicron import buddy_map, jobspec
 from unicron.v1 import common_pb2, planner_service_pb2
 
 
@@ -377,11 +377,31 @@ def assignment_for(
             continue
         node = nodes.get(node_id)
         address = node.address if node is not None else ""
-        assignment.workers.add(node_id=node_id, ranks=range(next_rank, next_rank + count), address=address)
+        domain = node.failure_domain if node is not None else ""
+        assignment.workers.add(
+            node_id=node_id, ranks=range(next_rank, next_rank + count), address=address, failure_domain=domain
+        )
         next_rank += count
     first = assignment.workers[0].node_id
     assignment.master_addr = nodes[first].address.rsplit(":", 1)[0]
+    _place_copies(assignment, spec)
     return assignment
+
+
+def _place_copies(assignment: common_pb2.Assignment, spec: common_pb2.JobSpec) -> None:
+    """Who keeps whose buddy copy under this placement (unicron/buddy_map.py), for a
+    distributed-optimizer job with replication 2 (its default)."""
+    training = spec.training
+    if not training.distributed_optimizer or training.replication == 1:
+        return
+    nodes = [""] * assignment.world_size
+    domains = [""] * assignment.world_size
+    for worker in assignment.workers:
+        for rank in worker.ranks:
+            nodes[rank], domains[rank] = worker.node_id, worker.failure_domain
+    keeper, note = buddy_map.keepers(nodes, domains, spec.parallelism.tensor, spec.parallelism.pipeline)
+    assignment.copy_kept_by.extend(keeper)
+    assignment.copies = note
 
 
 def _keeping_stages(

@@ -102,9 +102,11 @@ def change_write(job: common_pb2.Job, change: decide.Change, given: StepInputs) 
         if pending is not None and pending.generation == 0:
             pending.generation = given.assignment.generation
         # The planner's reason says why this size: the FLOP/s it judged at each size.
-        state.transition(job, state.SCHEDULED, now, f"placed on {placed}: {change.reason}")
+        copies = _copies_lacking(given.assignment)
+        state.transition(job, state.SCHEDULED, now, f"placed on {placed}: {change.reason}{copies}")
         return JobWrite(
-            [event(job, EventType.JOB_EVENT_TYPE_ASSIGNED, now, f"placed on {placed} ({change.reason})")], commands
+            [event(job, EventType.JOB_EVENT_TYPE_ASSIGNED, now, f"placed on {placed} ({change.reason}){copies}")],
+            commands,
         )
     if job.state not in state.ACTIVE:
         return None
@@ -117,6 +119,13 @@ def change_write(job: common_pb2.Job, change: decide.Change, given: StepInputs) 
     if given.assignment is None:
         return None
     return _move(job, change, placed, given.assignment, given)
+
+
+def _copies_lacking(assignment: common_pb2.Assignment) -> str:
+    """What the placement cannot give the job's buddy copies, to add to its reason ("" when
+    every shard has one, or the job keeps none)."""
+    has_gap = any(by < 0 for by in assignment.copy_kept_by)
+    return f"; training.replication 2: {assignment.copies}" if has_gap else ""
 
 
 def _move(
@@ -146,7 +155,7 @@ def _move(
     return JobWrite(
         [
             event(job, EventType.JOB_EVENT_TYPE_REMEDY, now, message),
-            event(job, EventType.JOB_EVENT_TYPE_ASSIGNED, now, f"placed on {placed}"),
+            event(job, EventType.JOB_EVENT_TYPE_ASSIGNED, now, f"placed on {placed}{_copies_lacking(assignment)}"),
         ],
         commands,
     )

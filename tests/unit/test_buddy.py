@@ -1,28 +1,14 @@
-"""Buddy copies' pure parts (unicron/trainer/buddy.py): who is whose buddy, the buffer a shard
-travels in and its checksum. The copies through real trainers: tests/trainer/test_exactness.py."""
+"""Buddy copies' pure parts (unicron/trainer/buddy.py): the buffer a shard travels in and its
+checksum (who is whose: test_buddy_map.py). The copies through real trainers:
+tests/trainer/test_exactness.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from unicron.trainer.buddy import Copy, buffer_bytes, checksum, fill, layout_of, pick_shift, unflatten
+from unicron.trainer.buddy import Copy, buffer_bytes, checksum, fill, layout_of, unflatten
 from unicron.trainer.optimizer_shards import shard_state
-
-
-@pytest.mark.parametrize(
-    ("nodes", "shift"),
-    [
-        (["a", "b"], 1),
-        (["a", "a", "b", "b"], 2),  # the next rank shares the node: two places on
-        (["a", "b", "a", "b"], 1),
-        (["a", "a", "a", "b"], 0),  # no shift puts every rank's buddy elsewhere
-        (["a", "a"], 0),  # one node: no buddy
-        (["a"], 0),
-    ],
-)
-def test_a_buddy_runs_on_another_node(nodes: list[str], shift: int) -> None:
-    assert pick_shift(nodes) == shift
 
 
 def _shard() -> dict:

@@ -1,14 +1,17 @@
 """Buddy copies: every data-parallel rank's optimizer shard, kept each iteration in the host
-memory of a data-parallel peer on another node (docs/architecture.md: Sharded state).
+memory of a data-parallel peer on another node or failure domain (docs/architecture.md:
+Sharded state).
 
 Under Megatron's distributed optimizer a rank's shard (its range of the fp32 main parameters
 and Adam's moments) is in no peer's memory: lose the rank and only a snapshot or the checkpoint
 has it. Here each rank of a slice's data-parallel group also keeps the shard of the peer
-``shift`` places before it, where ``shift`` is the smallest that puts every rank's buddy on
-another node (the ranks say which node they run on, by their agent's address, once per
-process group). At the start of each iteration (inside the step's failure handling, so a
-peer lost during it is a failed step) a rank copies its shard into a buffer, takes its
-checksum and exchanges it with its buddies: a copy is of the iteration the live ranks hold.
+``shift`` places before it, where ``shift`` is the smallest that puts every rank's buddy in
+another failure domain where the job's nodes have domains that allow it, else on another node
+(``unicron/buddy_map.py``: the same function the coordinator writes the job's map with; the
+ranks tell each other their node and domain, which the agent sets, once per process group).
+At the start of each iteration (inside the step's failure handling, so a peer lost during it
+is a failed step) a rank copies its shard into a buffer, takes its checksum and exchanges it
+with its buddies: a copy is of the iteration the live ranks hold.
 
 A copy is the shard's tensors as one byte buffer with its layout (the pieces' names, element
 ranges and tensors), the shard's (data-parallel rank, degree), its slice and iteration, and a
@@ -28,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from unicron.buddy_map import choose_shift
 from unicron.trainer.optimizer_shards import shard_state
 
 log = logging.getLogger(__name__)
@@ -99,16 +103,6 @@ def unflatten(layout: Layout, flat: torch.Tensor, rank: int, degree: int) -> dic
     return shard_state(rank, degree, pieces)
 
 
-def pick_shift(nodes: list[str]) -> int:
-    """The smallest shift s such that every data-parallel rank d's buddy, d + s, runs on
-    another node than d (0: there is none, e.g. every rank on one node)."""
-    size = len(nodes)
-    for shift in range(1, size):
-        if all(nodes[(d + shift) % size] != nodes[d] for d in range(size)):
-            return shift
-    return 0
-
-
 @dataclass
 class Copy:
     """A peer's optimizer shard as this rank keeps it."""
@@ -148,8 +142,9 @@ class BuddyCopies:
     step for this machine's two cores and took longer in all (26% of a 10M-parameter
     iteration against 20%), and a failure while it flew left no copy at all."""
 
-    def __init__(self, node: str, enabled: bool = True) -> None:
+    def __init__(self, node: str, enabled: bool = True, domain: str = "") -> None:
         self.node = node
+        self.domain = domain
         self.enabled = enabled
         self.copy: Copy | None = None
         self._group: _Group | None = None
@@ -213,11 +208,13 @@ class BuddyCopies:
         group = trainer.data_parallel_group()
         ranks = list(dist.get_process_group_ranks(group))
         told: list[Any] = [None] * len(ranks)
-        dist.all_gather_object(told, (self.node, layout), group=group)
-        shift = pick_shift([node for node, _ in told])
+        dist.all_gather_object(told, (self.node, self.domain, layout), group=group)
+        shift, level = choose_shift([node for node, _, _ in told], [domain for _, domain, _ in told])
         if not shift:
             log.warning("no data-parallel peer on another node: optimizer shards have no buddy copy")
-        self._group = _Group(group, ranks, shift, [entry for _, entry in told])
+        else:
+            log.info("buddy copies placed", extra={"shift": shift, "apart_by": level})
+        self._group = _Group(group, ranks, shift, [entry for *_, entry in told])
         return self._group
 
     def summary(self) -> dict[str, Any]:

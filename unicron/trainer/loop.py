@@ -161,7 +161,7 @@ def train(run: Run, program: MegatronProgram) -> None:
         # Likewise the buddy copies (buddy.py), at each group's first pass and after each
         # iteration: every rank of a group takes part, new and old alike.
         run.buddies = buddy.BuddyCopies(
-            config.node or config.agent or socket.gethostname(), enabled=training.copies > 1
+            config.node or config.agent or socket.gethostname(), enabled=training.copies > 1, domain=config.domain
         )
         copy_due = True
         while run.iteration < training.iterations and not run.stop.is_set():

@@ -30,6 +30,11 @@ class TrainerConfig:
         "the node this rank runs on, as the cluster names it: a buddy copy of its optimizer shard is kept on "
         "another (empty: told apart by the agent's address)",
     )
+    domain: str = setting(
+        "",
+        "the failure domain of this rank's node (a rack, a power feed): a buddy copy goes to another where the"
+        " job's nodes allow it (empty: none)",
+    )
     spec: str = setting("", "the job spec, as JSON (required)")
     collective_timeout_s: float = setting(
         timeouts.COLLECTIVE_S, "a torch.distributed collective (Megatron's groups included) fails after this long"
