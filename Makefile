@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 GEN_STAMP := unicron/v1/.generated
 PROTOS := $(wildcard proto/unicron/v1/*.proto)
 
-.PHONY: all venv gen redis compose-v1 demo certs test test-e2e test-unit test-cluster lint fmt clean bench-planner bench-detect bench-transition bench-sizes bench-buddy bench-sim bench-load bench-load-steps bench-peers peers-venv compose-test gpu-image-test deploy-lock
+.PHONY: all venv gen redis compose-v1 demo certs test test-e2e test-unit test-cluster lint fmt clean bench-planner bench-detect bench-transition bench-sizes bench-buddy bench-sources bench-sim bench-load bench-load-steps bench-peers peers-venv compose-test gpu-image-test deploy-lock
 
 all: test
 
@@ -84,6 +84,11 @@ bench-sizes: gen redis
 # What buddy copies of optimizer shards cost: memory, time per iteration, bytes per second.
 bench-buddy: gen
 	$(PY) -m bench.buddy
+
+# Where a sharded job's state comes back from (buddy, snapshot, checkpoint, baseline; shrink
+# and grow in memory), side by side at about 10M and 100M parameters.
+bench-sources: gen
+	$(PY) -m bench.sources
 
 bench-sim: gen
 	$(PY) -m bench.sim

@@ -477,3 +477,31 @@ def test_a_shrink_reshards_in_memory_from_the_buddy(references: dict[str, Any], 
     reports = [r for r in agent.of((1, 0), "iteration") if r.generation == 2 and r.state_source]
     assert (reports[0].state_source, reports[0].restored_iteration) == ("buddy", 5)
     assert_within(root, *resize_bound(references))
+
+
+def test_a_shrink_reshards_from_the_nodes_snapshots(references: dict[str, Any], tmp_path: Path) -> None:
+    """DP 2 -> 1 at iteration 6 under the distributed optimizer, both ranks on one node (so no
+    buddy copy) and no persistent checkpoint: rank 1 leaves with its shard, and rank 0 cuts the
+    whole optimizer state from the two snapshots on its node, by the same piece moves as a
+    peer transfer. Within the resize bound."""
+    if not references["distributed"]:
+        pytest.skip("resharding from snapshots is of a distributed optimizer's shards")
+    port, new_port = free_port(), free_port()
+    root = tmp_path / "ckpt"
+    agent = ReformAgent({(1, 0): 0}, generation=2, world_size=1, port=new_port, when=ReformAgent.any_error)
+    on_a = {**_on_nodes("node-a")[0], **trainer_env(snapshot_dir=str(tmp_path / "snapshots"))}
+    exits = {**on_a, **trainer_env(fault_injection=True, faults=("exit@6",))}
+    try:
+        spec = references["spec"]()
+        ranks = [
+            start_trainer(agent.address, spec, r, 2, port, tmp_path, 1, root, exits if r else on_a) for r in (0, 1)
+        ]
+        assert ranks[1].wait().returncode == 3
+        result = ranks[0].wait()
+    finally:
+        agent.stop()
+    assert result.returncode == 0, result.log[-3000:]
+    reports = [r for r in agent.of((1, 0), "iteration") if r.generation == 2 and r.state_source]
+    assert reports[0].state_source == "snapshot" and reports[0].restored_iteration >= 2, reports[0]
+    assert "optimizer shard resharded" in result.log
+    assert_within(root, *resize_bound(references))

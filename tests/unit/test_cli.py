@@ -313,7 +313,7 @@ def test_output_cut_short_by_its_reader_is_no_traceback() -> None:
                 "min_learning_rate": 3e-5,
             },
             "adam (betas 0.9, 0.95, eps 1e-08), distributed over the data-parallel ranks, each shard's buddy copy"
-            " on another node; no clipping; "
+            " on another node or failure domain; no clipping; "
             "weight decay 0.1; lr 0.0003 cosine after 10 warm-up iterations to 3e-05; "
             "bf16 with fp32 main parameters, gradients reduced in fp32",
         ),

@@ -450,8 +450,10 @@ def state_parts(state: dict[str, Any]) -> dict[str, Any]:
     return {key: state[key] for key in STATE_KEYS if key in state}
 
 
-def fits(current: dict[str, Any]) -> Callable[[dict[str, Any]], None]:
-    """A check that a shard's state has exactly this rank's parameter names and shapes."""
+def fits(current: dict[str, Any], whole_shard: bool = True) -> Callable[[dict[str, Any]], None]:
+    """A check that a shard's state has exactly this rank's parameter names and shapes (and,
+    with ``whole_shard``, every range of this rank's optimizer shard; without, only that it
+    carries optimizer shards at all, for a copy offered to a reshard)."""
     model = {k: tuple(v.shape) for k, v in current["model"].items() if isinstance(v, torch.Tensor)}
     shard = current.get(SHARD_KEY)
     # A distributed optimizer's groups name no parameters: its shard says what it holds.
@@ -468,7 +470,7 @@ def fits(current: dict[str, Any]) -> Callable[[dict[str, Any]], None]:
         optimizer = payload["optimizer"]
         if not isinstance(optimizer, dict):
             raise CheckpointError("optimizer state is not a mapping")
-        _check_shards(shard, shards_of(payload))
+        _check_shards(shard, shards_of(payload), whole_shard)
         if shard is None:
             saved_groups = [len(g.get("params", [])) for g in optimizer.get("param_groups", [])]
             if sorted(saved_groups) != sorted(groups):
@@ -477,14 +479,14 @@ def fits(current: dict[str, Any]) -> Callable[[dict[str, Any]], None]:
     return check
 
 
-def _check_shards(shard: dict[str, Any] | None, saved: list[dict[str, Any]]) -> None:
+def _check_shards(shard: dict[str, Any] | None, saved: list[dict[str, Any]], whole: bool = True) -> None:
     """That a state copy carries this rank's optimizer shard (``shard``: the ranges it owns,
     None under a replicated optimizer)."""
     if shard is None and saved:
         raise CheckpointError("the state is of a distributed optimizer, this job's optimizer is replicated")
     if shard is not None and not saved:
         raise CheckpointError("the state is of a replicated optimizer, this job's is distributed")
-    if shard is not None:
+    if shard is not None and whole:
         problems = missing_ranges(saved, ranges_of(shard))
         if problems:
             raise CheckpointError(f"the optimizer shards miss part of this rank's: {problems[0]}")

@@ -18,6 +18,7 @@ replaces.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -236,11 +237,9 @@ def shard_held(own: dict[str, Any] | None, copy: Copy | None, key: tuple[int, in
 def reshard(holders: list[Holder], own: dict[str, Any] | None, copy: Copy | None, trainer: Any) -> dict[str, Any]:
     """Collective over ``trainer``'s data-parallel group: the shard this rank owns now, its
     ranges taken from the shards the holders send (their own or a buddy copy) by the plan of
-    point-to-point moves above. StateError, the same on every rank, when a holder's
-    shard is unusable or the shards held do not cover every rank's ranges; after the moves, when
-    a message fails its checksum."""
-    group = trainer.data_parallel_group()
-    members = list(dist.get_process_group_ranks(group))
+    point-to-point moves above. StateError, the same on every rank, when a holder's shard is
+    unusable or the shards held do not cover every rank's ranges; after the moves, when a
+    message fails its checksum."""
     rank = dist.get_rank()
     mine: list[dict[str, Any]] = []
     problem = ""
@@ -250,6 +249,17 @@ def reshard(holders: list[Holder], own: dict[str, Any] | None, copy: Copy | None
                 mine.append(shard_held(own, copy, key))
             except StateError as exc:
                 problem = problem or f"rank {rank}: {exc}"
+    return reshard_offers(mine, trainer, problem)
+
+
+def reshard_offers(mine: list[dict[str, Any]], trainer: Any, problem: str = "") -> dict[str, Any]:
+    """Collective over ``trainer``'s data-parallel group: every rank offers the shards it
+    holds (``mine``: from memory, a buddy copy, a snapshot file, whatever their source) and
+    gets the shard of the ranges it owns now. ``problem``: why this rank cannot take part
+    (every rank then raises it as StateError before anything moves)."""
+    group = trainer.data_parallel_group()
+    members = list(dist.get_process_group_ranks(group))
+    rank = dist.get_rank()
     wanted = ranges_of(trainer.state_dict()[SHARD_KEY])
     told: list[Any] = [None] * len(members)
     offers = [] if problem else [Offer(ranges_of(s), kinds_of(s)) for s in mine]
@@ -260,6 +270,7 @@ def reshard(holders: list[Holder], own: dict[str, Any] | None, copy: Copy | None
     moves, problem = plan_moves([o for o, _, _ in told], [w for _, w, _ in told])
     if problem:
         raise StateError(f"the optimizer shards held cannot be resharded: {problem}")
+    began = time.perf_counter()
     got = run_moves(
         moves,
         [o for o, _, _ in told],
@@ -272,6 +283,11 @@ def reshard(holders: list[Holder], own: dict[str, Any] | None, copy: Copy | None
     )
     log.info(
         "optimizer shard resharded",
-        extra={"kept_bytes": got.kept_bytes, "received_bytes": got.received_bytes, "senders": got.senders},
+        extra={
+            "kept_bytes": got.kept_bytes,
+            "received_bytes": got.received_bytes,
+            "senders": got.senders,
+            "seconds": round(time.perf_counter() - began, 4),
+        },
     )
     return got.shard

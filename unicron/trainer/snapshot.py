@@ -37,6 +37,9 @@ import torch
 import torch.distributed as dist
 
 from unicron.trainer import checkpoint, persistent, tensor_bytes
+from unicron.trainer.optimizer_shards import SHARD_KEY, SHARDS_KEY, shards_of
+from unicron.trainer.piece_moves import reshard_offers
+from unicron.trainer.tensor_bytes import StateError
 
 if TYPE_CHECKING:
     from unicron.trainer.protocol import Trainer
@@ -234,34 +237,33 @@ def _read_into(source: Any, flat: torch.Tensor) -> int | None:
     return crc
 
 
-def _load(directory: Path, iteration: int, trainer: Trainer) -> dict[str, Any]:
+def _load(directory: Path, iteration: int, trainer: Trainer, whole_shard: bool = True) -> dict[str, Any]:
     """The verified snapshot of ``iteration`` in ``directory`` for ``trainer``'s shard; raises
-    CheckpointError when it is corrupt or of another model, split or shard."""
+    CheckpointError when it is corrupt or of another model, split or shard (or, with
+    ``whole_shard``, when its optimizer shard is not the one this rank owns)."""
     payload = read(directory, iteration)
     snap = _paths(directory, iteration)[0]
     if payload.get("layout") != checkpoint.layout_of(trainer).as_dict() or payload.get("shard") != list(trainer.shard):
         raise checkpoint.CheckpointError(f"{snap} is of another model, split or shard")
     if payload.get("iteration") != iteration:
         raise checkpoint.CheckpointError(f"{snap} holds iteration {payload.get('iteration')}")
-    checkpoint.fits(trainer.state_dict())(payload)
+    checkpoint.fits(trainer.state_dict(), whole_shard)(payload)
     return payload
 
 
 def restore(trainer: Trainer, root: str | Path, newer_than: int = 0) -> checkpoint.Restored | None:
     """Collective: loads the newest snapshot beyond iteration ``newer_than`` that every rank
-    has good on its node into ``trainer``; None (trainer untouched) when there is none."""
+    has good on its node into ``trainer``; None (trainer untouched) when there is none. Under
+    the distributed optimizer a rank's shard need not be on its own node: the data-parallel
+    ranks offer every shard their nodes hold of that iteration, and each takes its ranges by
+    the same plan of piece moves as a peer transfer (a restart after renumbering, a resize)."""
     holders = {i: dirs for i, dirs in _holders(Path(root)).items() if i > newer_than}
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, sorted(holders))
     common = set.intersection(*(set(g) for g in gathered)) if gathered else set()
+    sharded = SHARD_KEY in trainer.state_dict()
     for iteration in sorted(common, reverse=True):
-        payload = None
-        for directory in holders[iteration]:
-            try:
-                payload = _load(directory, iteration, trainer)
-                break
-            except checkpoint.CheckpointError as exc:
-                log.warning("snapshot unusable: %s; trying another copy", exc)
+        payload = _payload(holders[iteration], iteration, trainer, sharded)
         flag = torch.tensor([0 if payload is None else 1], dtype=torch.int32, device=checkpoint.flag_device())
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         if int(flag.item()) == 1 and payload is not None:
@@ -270,6 +272,34 @@ def restore(trainer: Trainer, root: str | Path, newer_than: int = 0) -> checkpoi
             return checkpoint.Restored(SOURCE_SNAPSHOT, iteration)
         log.warning("snapshot of iteration %d is not good on every rank; trying an older one", iteration)
     return None
+
+
+def _payload(directories: list[Path], iteration: int, trainer: Trainer, sharded: bool) -> dict[str, Any] | None:
+    """This rank's state of ``iteration`` from its node's snapshots (None: none good here).
+    Sharded: collective over the data-parallel group, which reshards what the nodes hold."""
+    payloads: list[dict[str, Any]] = []
+    for directory in directories:
+        try:
+            payloads.append(_load(directory, iteration, trainer, whole_shard=not sharded))
+        except checkpoint.CheckpointError as exc:
+            log.warning("snapshot unusable: %s; trying another copy", exc)
+            continue
+        if not sharded:
+            break  # the model and a replicated optimizer: one copy is all of it
+    if not sharded:
+        return payloads[0] if payloads else None
+    problem = "" if payloads else f"rank {dist.get_rank()}: no good snapshot of iteration {iteration} on its node"
+    try:
+        owned = reshard_offers([s for p in payloads for s in shards_of(p)], trainer, problem)
+    except StateError as exc:
+        log.warning("the snapshots' optimizer shards are unusable: %s", exc)
+        return None
+    # The rest (model slice, Megatron's parameter groups, scheduler, RNG) from this rank's own
+    # snapshot where its node has it, else from a data-parallel peer's, as a peer transfer.
+    place = [trainer.data_parallel_rank, trainer.data_parallel_size]
+    base = next((p for p in payloads if p.get(SHARD_KEY, {}).get("data_parallel") == place), payloads[0])
+    rest = {key: value for key, value in base.items() if key not in (SHARD_KEY, SHARDS_KEY)}
+    return {**rest, SHARDS_KEY: [owned]}
 
 
 def restore_nearest(trainer: Trainer, checkpoint_dir: str = "", snapshot_dir: str = "") -> checkpoint.Restored:
