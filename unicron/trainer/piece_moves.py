@@ -161,6 +161,7 @@ class Received:
     kept_bytes: int
     received_bytes: int
     senders: int
+    wire_seconds: float = 0.0
 
 
 def run_moves(
@@ -206,9 +207,12 @@ def run_moves(
             total = torch.empty(1, dtype=torch.int64)
             ops += [dist.P2POp(dist.irecv, t, members[sender], group) for t in (data, total)]
             inbound.append((group_moves, data, total))
+    # The wire alone (posting and completing the sends and receives), for throughput reports.
+    wire = time.perf_counter()
     if ops:
         for request in dist.batch_isend_irecv(ops):
             request.wait()
+    wire = time.perf_counter() - wire
     for group_moves, data, total in inbound:
         if checksum(data) != int(total):
             raise StateError(f"the optimizer pieces from rank {members[group_moves[0].sender]} fail their checksum")
@@ -218,6 +222,7 @@ def run_moves(
         kept_bytes=kept,
         received_bytes=sum(d.numel() for _, d, _ in inbound),
         senders=len(inbound),
+        wire_seconds=wire,
     )
 
 
@@ -288,6 +293,7 @@ def reshard_offers(mine: list[dict[str, Any]], trainer: Any, problem: str = "") 
             "received_bytes": got.received_bytes,
             "senders": got.senders,
             "seconds": round(time.perf_counter() - began, 4),
+            "wire_seconds": round(got.wire_seconds, 4),
         },
     )
     return got.shard
