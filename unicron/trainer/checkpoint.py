@@ -56,6 +56,8 @@ import torch.distributed as dist
 
 from unicron.trainer.optimizer_shards import SHARD_KEY, SHARDS_KEY, data_parallel_of, ranges_of, shards_of
 from unicron.trainer.optimizer_shards import missing as missing_ranges
+from unicron.trainer.piece_moves import reshard_offers
+from unicron.trainer.tensor_bytes import StateError
 
 if TYPE_CHECKING:
     from unicron.trainer.protocol import Trainer
@@ -265,9 +267,20 @@ def read_manifest(root: str | Path, iteration: int, expected_format: object = FO
     return manifest
 
 
-def read_shard(root: str | Path, iteration: int, layout: Layout, tp_rank: int, pp_rank: int) -> dict[str, Any]:
+def read_shard(
+    root: str | Path,
+    iteration: int,
+    layout: Layout,
+    tp_rank: int,
+    pp_rank: int,
+    data_parallel: tuple[int, int] | None = None,
+) -> dict[str, Any]:
     """The verified shard (tp_rank, pp_rank) of checkpoint ``iteration``; CheckpointError when
-    the manifest is missing or does not match ``layout``, or the shard is missing or corrupt."""
+    the manifest is missing or does not match ``layout``, or the shard is missing or corrupt.
+    Under the distributed optimizer it carries every data-parallel rank's optimizer shard, or,
+    with ``data_parallel`` (this rank's (rank, degree) now), only the saved shards this rank
+    reads for its group's reshard: the d-th of every ``degree``, so that the group reads each
+    file once."""
     manifest = read_manifest(root, iteration)
     saved = manifest.get("layout")
     if saved != layout.as_dict():
@@ -285,7 +298,8 @@ def read_shard(root: str | Path, iteration: int, layout: Layout, tp_rank: int, p
         # Every data-parallel rank's shard of this slice: this rank's ranges under the
         # current degree may lie in any of them.
         shards = []
-        for dp_rank in range(int(degree)):
+        first, step = data_parallel if data_parallel is not None else (0, 1)
+        for dp_rank in range(first, int(degree), step):
             part = _read_file(root, iteration, manifest, shard_file(tp_rank, pp_rank, dp_rank))
             if not isinstance(part.get(SHARD_KEY), dict) or data_parallel_of(part[SHARD_KEY]) != (dp_rank, degree):
                 raise CheckpointError(f"{shard_file(tp_rank, pp_rank, dp_rank)} holds no optimizer shard {dp_rank}")
@@ -326,10 +340,11 @@ def try_shard(
     tp_rank: int,
     pp_rank: int,
     check: Callable[[dict[str, Any]], None] | None = None,
+    data_parallel: tuple[int, int] | None = None,
 ) -> dict[str, Any] | None:
     """``read_shard`` (plus ``check``, which raises CheckpointError) or None with a warning."""
     try:
-        payload = read_shard(root, iteration, layout, tp_rank, pp_rank)
+        payload = read_shard(root, iteration, layout, tp_rank, pp_rank, data_parallel)
         if check is not None:
             check(payload)
         return payload
@@ -492,6 +507,19 @@ def _check_shards(shard: dict[str, Any] | None, saved: list[dict[str, Any]], who
             raise CheckpointError(f"the optimizer shards miss part of this rank's: {problems[0]}")
 
 
+def _resharded(payload: dict[str, Any] | None, trainer: Trainer, iteration: int) -> dict[str, Any] | None:
+    """Collective over the data-parallel group: ``payload`` with the optimizer shard this rank
+    owns now, cut from the saved shards its group read (None when that fails anywhere)."""
+    problem = "" if payload is not None else f"rank {dist.get_rank()}: checkpoint {iteration} is unusable here"
+    try:
+        owned = reshard_offers(shards_of(payload) if payload is not None else [], trainer, problem)
+    except StateError as exc:
+        log.warning("checkpoint at iteration %d cannot be resharded: %s", iteration, exc)
+        return None
+    assert payload is not None  # a problem raised above
+    return {**{k: v for k, v in payload.items() if k not in (SHARD_KEY, SHARDS_KEY)}, SHARDS_KEY: [owned]}
+
+
 def restore(trainer: Trainer, root: str | Path) -> Restored:
     """Collective: every rank calls it before training. Loads the newest checkpoint that is
     good on every rank into ``trainer`` (which then continues from its iteration), or leaves
@@ -501,9 +529,15 @@ def restore(trainer: Trainer, root: str | Path) -> Restored:
     candidates: list[int] = holder[0]
     layout = layout_of(trainer)
     tp_rank, pp_rank = trainer.shard
-    check = fits(trainer.state_dict())
+    # Under the distributed optimizer each rank reads its share of the saved shards and the
+    # group reshards them by piece moves (piece_moves.py), as from memory or a snapshot.
+    sharded = SHARD_KEY in trainer.state_dict()
+    place = (trainer.data_parallel_rank, trainer.data_parallel_size) if sharded else None
+    check = fits(trainer.state_dict(), whole_shard=not sharded)
     for iteration in candidates:
-        payload = try_shard(root, iteration, layout, tp_rank, pp_rank, check)
+        payload = try_shard(root, iteration, layout, tp_rank, pp_rank, check, place)
+        if sharded:
+            payload = _resharded(payload, trainer, iteration)
         flag = torch.tensor([0 if payload is None else 1], dtype=torch.int32, device=flag_device())
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         if int(flag.item()) == 1 and payload is not None:
