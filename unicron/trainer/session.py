@@ -143,6 +143,18 @@ class TorchTrainer:
         pass  # the user's objects hold no process group: all_reduce_gradients uses the current one
 
 
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is sharded by FSDP2 (``fully_shard``) or otherwise holds DTensor
+    parameters: each rank then holds only part of it, which Session's state model (a full
+    replica per rank, its own gradient all-reduce) would silently get wrong."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(m, FSDPModule) for m in model.modules()) or any(
+        isinstance(p, DTensor) for p in model.parameters()
+    )
+
+
 class Session:
     """A plain PyTorch program's link to Unicron (or, without an agent, to torchrun's world)."""
 
@@ -207,6 +219,12 @@ class Session:
             raise ProgramError(
                 "the state registration leaves the optimizer out: register(optimizer=...) takes a"
                 f" torch.optim.Optimizer, got {type(optimizer).__name__}"
+            )
+        if is_sharded(model):
+            raise ProgramError(
+                "register(model=...) got a model sharded with FSDP2 (fully_shard) or holding DTensor parameters:"
+                " Session keeps a whole replica of the model on every rank and all-reduces its gradients itself,"
+                " so it cannot heal a sharded one yet; register the unsharded module"
             )
         owned = {id(p) for p in model.parameters()}
         if not all(id(p) in owned for group in optimizer.param_groups for p in group["params"]):
