@@ -84,10 +84,10 @@ def _gap(agent: ReformAgent, before: tuple[int, int], after: tuple[int, int]) ->
     generation 2, and that report."""
     last = max(
         at
-        for message, at in zip(agent.messages[before], agent.arrivals[before], strict=True)
+        for message, at in zip(agent.messages[before], agent.arrival_times[before], strict=True)
         if message.HasField("iteration") and message.iteration.generation == 1
     )
-    for message, at in zip(agent.messages[after], agent.arrivals[after], strict=True):
+    for message, at in zip(agent.messages[after], agent.arrival_times[after], strict=True):
         if message.HasField("iteration") and message.iteration.generation == 2:
             return at - last, message.iteration
     raise RuntimeError(f"{after} sent no report of generation 2")

@@ -6,25 +6,19 @@ records what each sends, and once a condition holds sends each chosen process on
 from __future__ import annotations
 
 import os
-import queue
 import subprocess
 import sys
-import threading
 import time
-from collections import defaultdict
-from collections.abc import Callable, Iterator
-from concurrent import futures
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-import grpc
 from google.protobuf import json_format
 
-from unicron import rpc
 from unicron.trainer.settings import trainer_env
-from unicron.v1 import common_pb2, trainer_service_pb2_grpc
+from unicron.v1 import common_pb2
 from unicron.v1 import trainer_service_pb2 as pb
+from unicron_dev.fake_agent import Outbox, RecordingAgent
 from unicron_dev.localcluster import ROOT as REPO_ROOT
 
 RANK_TIMEOUT_S = 120
@@ -32,12 +26,12 @@ RANK_TIMEOUT_S = 120
 ProcessKey = tuple[int, int]
 
 
-class ReformAgent(trainer_service_pb2_grpc.TrainerAgentServiceServicer):
-    """Welcomes every trainer and records what each process sends, keyed by its hello's
-    (generation, rank). Once ``when(self)`` holds (checked after every message), it sends one
-    AgentReform to every process in ``moves`` (process -> its rank in the new group), for the
-    new ``generation``, ``world_size`` and rendezvous port; a process that connects later gets
-    it on connecting. It answers nothing else: errors before or after are left unanswered."""
+class ReformAgent(RecordingAgent[ProcessKey]):
+    """Records what each process sends, keyed by its hello's (generation, rank). Once
+    ``when(self)`` holds (checked after every message), it sends one AgentReform to every
+    process in ``moves`` (process -> its rank in the new group), for the new ``generation``,
+    ``world_size`` and rendezvous port; a process that connects later gets it on connecting. It
+    answers nothing else: errors before or after are left unanswered."""
 
     def __init__(
         self,
@@ -54,19 +48,12 @@ class ReformAgent(trainer_service_pb2_grpc.TrainerAgentServiceServicer):
         self.when = when
         self.fired = False
         self.fired_at = 0.0
-        self.messages: dict[ProcessKey, list[pb.ConnectRequest]] = defaultdict(list)
-        # time.monotonic() of each message's arrival, in step with `messages`.
-        self.arrivals: dict[ProcessKey, list[float]] = defaultdict(list)
         self.hellos: dict[ProcessKey, pb.TrainerHello] = {}
-        self._outboxes: dict[ProcessKey, queue.Queue[pb.ConnectResponse | None]] = {}
-        self._lock = threading.RLock()
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=rpc.SERVER_OPTIONS)
-        trainer_service_pb2_grpc.add_TrainerAgentServiceServicer_to_server(self, self._server)
-        self.address = f"127.0.0.1:{self._server.add_insecure_port('127.0.0.1:0')}"
-        self._server.start()
+        self._outboxes: dict[ProcessKey, Outbox] = {}
+        super().__init__()
 
-    def stop(self) -> None:
-        self._server.stop(0.5).wait()
+    def key_of(self, hello: pb.TrainerHello) -> ProcessKey:
+        return (int(hello.generation), int(hello.rank))
 
     def _reform(self, key: ProcessKey) -> pb.ConnectResponse:
         return pb.ConnectResponse(
@@ -90,44 +77,21 @@ class ReformAgent(trainer_service_pb2_grpc.TrainerAgentServiceServicer):
                 if key in self.moves:
                     outbox.put(self._reform(key))
 
-    def Connect(self, request_iterator: Iterator[pb.ConnectRequest], context: grpc.ServicerContext) -> Any:
-        first = next(request_iterator)
-        key = (first.hello.generation, first.hello.rank)
-        outbox: queue.Queue[pb.ConnectResponse | None] = queue.Queue()
-        outbox.put(pb.ConnectResponse(welcome=pb.AgentWelcome(node_id="fake")))
+    def on_hello(self, key: ProcessKey, hello: pb.TrainerHello, outbox: Outbox) -> None:
         with self._lock:
-            self.hellos[key] = first.hello
+            self.hellos[key] = hello
             self._outboxes[key] = outbox
             if self.fired and key in self.moves:
                 outbox.put(self._reform(key))
         self._check()
 
-        def read() -> None:
-            try:
-                for request in request_iterator:
-                    with self._lock:
-                        self.messages[key].append(request)
-                        self.arrivals[key].append(time.monotonic())
-                    self._check()
-            except grpc.RpcError:
-                pass
-            outbox.put(None)
-
-        threading.Thread(target=read, daemon=True).start()
-        while True:
-            message = outbox.get()
-            if message is None:
-                return
-            yield message
-
-    def of(self, key: ProcessKey, kind: str) -> list[Any]:
-        with self._lock:
-            return [getattr(m, kind) for m in self.messages[key] if m.WhichOneof("message") == kind]
+    def on_message(self, key: ProcessKey, request: pb.ConnectRequest, outbox: Outbox) -> None:
+        self._check()
 
     def seconds_to_new_generation(self, key: ProcessKey) -> float:
         """From sending the reform to ``key``'s first report under the new generation."""
         with self._lock:
-            for message, at in zip(self.messages[key], self.arrivals[key], strict=True):
+            for message, at in zip(self.messages[key], self.arrival_times[key], strict=True):
                 if message.HasField("iteration") and message.iteration.generation == self.generation:
                     return at - self.fired_at
         raise AssertionError(f"{key} sent no report of generation {self.generation}")
@@ -159,22 +123,25 @@ class Trainer:
         return RankResult(self.proc.returncode, self.log_path.read_text())
 
 
-def start_trainer(
+def trainer_process_env(
     agent_address: str,
     spec: common_pb2.JobSpec,
     rank: int,
     world_size: int,
     port: int,
-    work: Path,
     generation: int = 1,
     checkpoint_dir: Path | None = None,
     env: dict[str, str] | None = None,
-) -> Trainer:
-    """Starts one rank (log: ``work/g<generation>r<rank>.log``); ``env`` adds UNICRON_TRAINER_*
-    settings, e.g. faults or STATE_FROM_PEER."""
-    work.mkdir(parents=True, exist_ok=True)
-    full_env = {
+) -> dict[str, str]:
+    """The whole environment of one rank's ``python -m services.trainer``: this process's, the
+    rank's UNICRON_TRAINER_* settings, then ``env``."""
+    return {
         **os.environ,
+        # One intra-op thread, always, as the agent starts its trainers (trainer_base_env). The
+        # thread count decides how a CPU matmul or reduction splits its sums, so two runs
+        # compared bit for bit must have the same: one rank at 1 thread against a reference at
+        # 2 differs from iteration 1 (grad norm 3.3989802 vs 3.3989805 on the GPT example).
+        "OMP_NUM_THREADS": "1",
         "PYTHONPATH": str(REPO_ROOT),
         **trainer_env(
             job_id="job-test",
@@ -190,6 +157,23 @@ def start_trainer(
         ),
         **(env or {}),
     }
+
+
+def start_trainer(
+    agent_address: str,
+    spec: common_pb2.JobSpec,
+    rank: int,
+    world_size: int,
+    port: int,
+    work: Path,
+    generation: int = 1,
+    checkpoint_dir: Path | None = None,
+    env: dict[str, str] | None = None,
+) -> Trainer:
+    """Starts one rank (log: ``work/g<generation>r<rank>.log``); ``env`` adds UNICRON_TRAINER_*
+    settings, e.g. faults or STATE_FROM_PEER."""
+    work.mkdir(parents=True, exist_ok=True)
+    full_env = trainer_process_env(agent_address, spec, rank, world_size, port, generation, checkpoint_dir, env)
     log_path = work / f"g{generation}r{rank}.log"
     with open(log_path, "w") as out:
         proc = subprocess.Popen(

@@ -4,13 +4,10 @@
 from __future__ import annotations
 
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
-
-from google.protobuf import json_format
 
 from tests.trainer.gpt import trainer_configs
 from unicron.redisutil import free_port
@@ -19,7 +16,15 @@ from unicron.v1 import common_pb2
 from unicron_dev.fake_agent import FakeAgent
 from unicron_dev.localcluster import ROOT as REPO_ROOT
 from unicron_dev.localcluster import gpt_program
-from unicron_dev.trainer_procs import RANK_TIMEOUT_S, ProcessKey, RankResult, ReformAgent, Trainer, start_trainer
+from unicron_dev.trainer_procs import (
+    RANK_TIMEOUT_S,
+    ProcessKey,
+    RankResult,
+    ReformAgent,
+    Trainer,
+    start_trainer,
+    trainer_process_env,
+)
 
 # What trainer tests import from here too.
 __all__ = ["REPO_ROOT", "FakeAgent", "ProcessKey", "RankResult", "ReformAgent", "Trainer", "free_port", "start_trainer"]
@@ -106,23 +111,7 @@ def run_ranks(
     procs = []
     logs = []
     for rank in range(world_size):
-        env = {
-            **os.environ,
-            "PYTHONPATH": str(REPO_ROOT),
-            **trainer_env(
-                job_id="job-test",
-                generation=1,
-                rank=rank,
-                world_size=world_size,
-                master_addr="127.0.0.1",
-                master_port=port,
-                agent=agent.address,
-                spec=json_format.MessageToJson(spec),
-                collective_timeout_s=60,
-                checkpoint_dir=checkpoint_dir or "",
-            ),
-            **(extra_env or {}),
-        }
+        env = trainer_process_env(agent.address, spec, rank, world_size, port, 1, checkpoint_dir, extra_env)
         if faults and rank in faults:
             env.update(trainer_env(fault_injection=True, faults=(faults[rank],)))
         log_path = work / f"rank{rank}.log"

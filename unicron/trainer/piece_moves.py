@@ -155,10 +155,10 @@ def _unpack(moves: Sequence[Move], data: torch.Tensor, kinds: Kinds, owned: dict
     for m in moves:
         _, start, end, tensors = owned[m.name]
         for key, dtype_name in kinds[m.name]:
-            dtype = getattr(torch, dtype_name)
-            size = (m.end - m.start) * torch.empty(0, dtype=dtype).element_size()
+            dtype, element = getattr(torch, dtype_name), _element_bytes(dtype_name)
+            size = (m.end - m.start) * element
             whole = key not in tensors and (m.start, m.end) == (start, end)
-            if whole and at % torch.empty(0, dtype=dtype).element_size() == 0:
+            if whole and at % element == 0:
                 tensors[key] = data[at : at + size].view(dtype)
             else:
                 _target(owned, m.name, key, dtype)[m.start - start : m.end - start].view(torch.uint8).copy_(
