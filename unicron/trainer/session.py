@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from unicron.trainer import runtime
+from unicron.trainer.fsdp import FSDPTrainer
 from unicron.trainer.program import ProgramError, Training
 
 log = logging.getLogger("trainer")
@@ -155,6 +156,28 @@ def is_sharded(model: torch.nn.Module) -> bool:
     )
 
 
+def _check_replica(model: Any, optimizer: Any, scheduler: Any) -> None:
+    """That ``register(model=, optimizer=, scheduler=)`` got a whole replica and its optimizer."""
+    if not isinstance(model, torch.nn.Module):
+        raise ProgramError(f"register(model=...) takes a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ProgramError(
+            "the state registration leaves the optimizer out: register(optimizer=...) takes a"
+            f" torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    if is_sharded(model):
+        raise ProgramError(
+            "register(model=...) got a model sharded with FSDP2 (fully_shard) or holding DTensor parameters:"
+            " register(build=fn) instead, where fn(mesh) builds, shards and returns (model, optimizer[, scheduler]),"
+            " so that the session can build it again on a new mesh after a reform"
+        )
+    owned = {id(p) for p in model.parameters()}
+    if not all(id(p) in owned for group in optimizer.param_groups for p in group["params"]):
+        raise ProgramError("the registered optimizer updates parameters that are not the registered model's")
+    if scheduler is not None and not (hasattr(scheduler, "state_dict") and hasattr(scheduler, "load_state_dict")):
+        raise ProgramError("register(scheduler=...) takes an LR scheduler with state_dict() and load_state_dict()")
+
+
 class Session:
     """A plain PyTorch program's link to Unicron (or, without an agent, to torchrun's world)."""
 
@@ -183,7 +206,7 @@ class Session:
         if self._device == "cuda":
             torch.cuda.set_device(loop.cuda_device(torch.cuda.device_count(), run.rank))
         self._from_peer = loop.join_first_group(run, "nccl" if self._device == "cuda" else "gloo")
-        self._trainer: TorchTrainer | None = None
+        self._trainer: TorchTrainer | FSDPTrainer | None = None
         # Seconds of the current step spent recovering inside all_reduce_gradients: not the
         # step's compute, which its report says.
         self._paused_s = 0.0
@@ -207,40 +230,61 @@ class Session:
         """Iterations completed (the next step's number minus one)."""
         return self._run.iteration
 
-    def register(self, *, model: Any, optimizer: Any, scheduler: Any = None) -> None:
-        """Registers what makes up the training state and restores it from the nearest source
-        (a live peer, this node's snapshot, the checkpoint), or keeps it fresh."""
-        from unicron.trainer import reform as reforming
-        from unicron.trainer import snapshot as snapshots
+    @property
+    def model(self) -> Any:
+        """The registered model; under ``register(build=...)`` the one built for the current
+        process group, which a reform replaces: take it from here each step."""
+        return None if self._trainer is None else self._trainer.model
 
-        if not isinstance(model, torch.nn.Module):
-            raise ProgramError(f"register(model=...) takes a torch.nn.Module, got {type(model).__name__}")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise ProgramError(
-                "the state registration leaves the optimizer out: register(optimizer=...) takes a"
-                f" torch.optim.Optimizer, got {type(optimizer).__name__}"
-            )
-        if is_sharded(model):
-            raise ProgramError(
-                "register(model=...) got a model sharded with FSDP2 (fully_shard) or holding DTensor parameters:"
-                " Session keeps a whole replica of the model on every rank and all-reduces its gradients itself,"
-                " so it cannot heal a sharded one yet; register the unsharded module"
-            )
-        owned = {id(p) for p in model.parameters()}
-        if not all(id(p) in owned for group in optimizer.param_groups for p in group["params"]):
-            raise ProgramError("the registered optimizer updates parameters that are not the registered model's")
-        if scheduler is not None and not (hasattr(scheduler, "state_dict") and hasattr(scheduler, "load_state_dict")):
-            raise ProgramError("register(scheduler=...) takes an LR scheduler with state_dict() and load_state_dict()")
+    @property
+    def optimizer(self) -> Any:
+        return None if self._trainer is None else self._trainer.optimizer
+
+    @property
+    def scheduler(self) -> Any:
+        return None if self._trainer is None else self._trainer.scheduler
+
+    def register(self, *, model: Any = None, optimizer: Any = None, scheduler: Any = None, build: Any = None) -> None:
+        """Registers what makes up the training state and restores it from the nearest source
+        (a live peer, this node's snapshot, the checkpoint), or keeps it fresh.
+
+        A replicated model: ``register(model=, optimizer=, scheduler=)``. A model sharded with
+        FSDP2: ``register(build=fn)``, where ``fn(mesh)`` builds the model, shards it with
+        ``fully_shard(..., mesh=mesh)`` and returns ``(model, optimizer[, scheduler])``; it is
+        called again on the new mesh after every reform (unicron/trainer/fsdp.py)."""
         if self._trainer is not None:
             raise ProgramError("register() was called twice")
         config = self._run.config
         timeout = timedelta(seconds=config.collective_timeout_s)
-        trainer = TorchTrainer(model, optimizer, scheduler, self._device, timeout)
+        trainer: TorchTrainer | FSDPTrainer
+        if build is not None:
+            if model is not None or optimizer is not None or scheduler is not None:
+                raise ProgramError("register(build=...) takes no model, optimizer or scheduler: build returns them")
+            if not callable(build):
+                raise ProgramError(f"register(build=...) takes a function of the mesh, got {type(build).__name__}")
+            trainer = FSDPTrainer(build, self._device, timeout)
+            trainer.grad_sync_hook = self._in_sharded_grad_sync
+        else:
+            _check_replica(model, optimizer, scheduler)
+            trainer = TorchTrainer(model, optimizer, scheduler, self._device, timeout)
+            if self._run.injector.enabled:
+                trainer.grad_sync_hook = self._run.injector.in_grad_sync
+        self._restore(trainer)
+
+    def _in_sharded_grad_sync(self) -> None:
+        """Under FSDP the gradients are reduced inside backward, at whose start this is called:
+        the faults of this iteration fire there."""
+        self._run.injector.before_step(self._run.iteration + 1)
+        self._run.injector.in_grad_sync()
+
+    def _restore(self, trainer: TorchTrainer | FSDPTrainer) -> None:
+        from unicron.trainer import reform as reforming
+        from unicron.trainer import snapshot as snapshots
+
+        config = self._run.config
         # A dense network's model FLOPs, 6 per parameter per token or sample (2 forward, 4
         # backward): what the coordinator learns the job's throughput per size from.
-        self._flops_per_token = 6.0 * sum(p.numel() for p in model.parameters())
-        if self._run.injector.enabled:
-            trainer.grad_sync_hook = self._run.injector.in_grad_sync
+        self._flops_per_token = 6.0 * sum(p.numel() for p in trainer.model.parameters())
         if self._from_peer:
             restored = reforming.receive_state(trainer, config.checkpoint_dir, config.snapshot_dir)
         else:
@@ -272,6 +316,8 @@ class Session:
         taken here and only the all-reduce is done again, in the new group, from the gradients
         this rank had computed; the loop body goes on as if nothing happened. Otherwise the
         step is redone whole (``with step``)."""
+        if isinstance(self._trainer, FSDPTrainer):
+            raise ProgramError("all_reduce_gradients: FSDP2 reduces the gradients itself in backward; drop this call")
         # Faults injected for this iteration fire here, inside the step: a plain loop's step
         # has no earlier point the library sees.
         self._run.injector.before_step(self._run.iteration + 1)

@@ -1,0 +1,212 @@
+"""Exactness of an FSDP2 program under Session, through real trainer processes: the Llama-style
+example (examples/llama_fsdp, 1.1M parameters, every parameter and Adam moment sharded over the
+ranks) over 20 iterations, in fp32 and in bf16 mixed precision.
+
+A remedy that keeps the layout ends bit-identical to the failure-free run, every parameter and
+both Adam moments: a reattempt (an injected collective failure at the start of backward, where
+FSDP's reduce-scatters run) and a restart of both ranks from the persistent checkpoint. A resize
+moves each rank's shard by piece moves: a grow (1 -> 2 ranks, the new rank's half cut from the
+live rank's memory) and a shrink (2 -> 1, the leaving rank's half from its snapshot on the
+node) end within twice the distance between the failure-free runs at the two sizes, measured
+here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.trainer.harness import (
+    FakeAgent,
+    ProcessKey,
+    ReformAgent,
+    free_port,
+    relative_difference,
+    run_ranks,
+    start_trainer,
+)
+from unicron.trainer import checkpoint
+from unicron.trainer.optimizer_shards import cut, shards_of
+from unicron.trainer.settings import trainer_env
+from unicron.v1 import common_pb2
+
+pytestmark = pytest.mark.e2e
+
+ITERATIONS = 20
+ALLREDUCE_TIMEOUT = "exception:collective_timeout:allreduce@7"
+
+
+def llama_spec(precision: str, checkpoint_interval: int = ITERATIONS) -> common_pb2.JobSpec:
+    spec = common_pb2.JobSpec(name="llama")
+    spec.program.entry_point = "examples.llama_fsdp.train:main"
+    spec.program.args.extend(["--size", "tiny", "--seq-length", "32"])
+    spec.parallelism.data = 1
+    t = spec.training
+    t.iterations, t.global_batch_size, t.micro_batch_size = ITERATIONS, 8, 1
+    t.learning_rate, t.seed, t.checkpoint_interval, t.precision = 3e-3, 7, checkpoint_interval, precision
+    return spec
+
+
+def final_state(root: Path) -> dict[str, dict[str, Any]]:
+    """Every parameter's whole fp32 tensors (the parameter, Adam's moments) at the last
+    iteration, cut together from every rank's shard in the checkpoint."""
+    (iteration, *_) = checkpoint.list_complete(root)
+    assert iteration == ITERATIONS
+    saved = checkpoint.read_manifest(root, iteration)["layout"]
+    layout = checkpoint.layout_of_config(saved["model"], 1, 1)
+    found = checkpoint.find_latest(root, layout)
+    assert found is not None and found[0] == ITERATIONS
+    shards = shards_of(found[1])
+    numels = {name: piece["numel"] for shard in shards for name, piece in shard["pieces"].items()}
+    return cut(shards, {name: (numel, 0, numel) for name, numel in numels.items()})
+
+
+def assert_exact(root: Path, want: dict[str, dict[str, Any]]) -> None:
+    got = final_state(root)
+    assert sorted(got) == sorted(want)
+    assert sum(t["param"].numel() for t in want.values()) > 1_000_000, "a model that means something"
+    differ = sorted(
+        f"{name}.{key}" for name, tensors in want.items() for key, t in tensors.items() if not t.equal(got[name][key])
+    )
+    worst = max(relative_difference({n: got[n]["param"]}, {n: w["param"]}) for n, w in want.items())
+    assert not differ, f"{len(differ)} tensors differ ({worst:.2e} relative): {differ[:3]}"
+
+
+def distance(a: dict[str, dict[str, Any]], b: dict[str, dict[str, Any]]) -> float:
+    return max(relative_difference({n: a[n]["param"]}, {n: b[n]["param"]}) for n in b)
+
+
+@pytest.fixture(scope="module", params=["fp32", "bf16"])
+def references(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """Failure-free runs at 1 and 2 ranks (``get(world)``) and the spec, per precision."""
+    made: dict[int, Any] = {}
+    precision = request.param
+
+    def reference(world: int) -> dict[str, dict[str, Any]]:
+        if world not in made:
+            work = tmp_path_factory.mktemp(f"llama-{precision}-{world}")
+            agent = FakeAgent()
+            try:
+                results = run_ranks(agent, llama_spec(precision), world, work, work / "ckpt")
+            finally:
+                agent.stop()
+            for result in results:
+                assert result.returncode == 0, result.log[-3000:]
+            made[world] = final_state(work / "ckpt")
+        return made[world]
+
+    yield {"get": reference, "spec": lambda **kw: llama_spec(precision, **kw)}
+
+
+def assert_within(root: Path, references: dict[str, Any], bound: float) -> None:
+    """Against the failure-free run at 1 rank: every parameter within ``bound`` (relative)."""
+    worst = distance(final_state(root), references["get"](1))
+    print(f"resized run: largest parameter {worst:.3e} from the 1-rank run's (bound {bound:.3e})")
+    assert worst <= bound, f"a parameter differs by {worst:.2e} relative, over the bound {bound:.2e}"
+
+
+def resize_bound(references: dict[str, Any]) -> float:
+    measured = distance(references["get"](1), references["get"](2))
+    print(f"failure-free runs at 1 and 2 ranks lie {measured:.3e} apart (largest parameter, relative)")
+    return 2 * measured
+
+
+def test_a_reattempt_is_exact(references: dict[str, Any], tmp_path: Path) -> None:
+    """Rank 1's collective fails at the start of backward in iteration 7; both ranks reform in
+    place, build the model again on the new mesh, keep their shards and redo the iteration."""
+    want = references["get"](2)
+    port, new_port = free_port(), free_port()
+    keys: list[ProcessKey] = [(1, 0), (1, 1)]
+    agent = ReformAgent({(1, 0): 0, (1, 1): 1}, generation=2, world_size=2, port=new_port, when=ReformAgent.any_error)
+    root = tmp_path / "ckpt"
+    fault = trainer_env(fault_injection=True, faults=(ALLREDUCE_TIMEOUT,))
+    try:
+        spec = references["spec"]()
+        ranks = [
+            start_trainer(agent.address, spec, r, 2, port, tmp_path, 1, root, fault if r else None) for r in (0, 1)
+        ]
+        results = [r.wait() for r in ranks]
+    finally:
+        agent.stop()
+    for result in results:
+        assert result.returncode == 0, result.log[-3000:]
+    assert sorted(agent.hellos) == keys  # reformed in place: no process restarted
+    for key in keys:
+        reports = agent.of(key, "iteration")
+        assert [r.iteration for r in reports] == list(range(1, ITERATIONS + 1))
+        assert reports[6].generation == 2 and reports[6].state_source == "live"
+    assert_exact(root, want)
+
+
+def test_a_restart_from_the_checkpoint_is_exact(references: dict[str, Any], tmp_path: Path) -> None:
+    """Rank 1 is killed in iteration 13 and rank 0 stops; started again, both read their shards
+    of iteration 10 from the checkpoint (one file per rank) and end exact."""
+    want = references["get"](2)
+    root = tmp_path / "ckpt"
+    agent = FakeAgent(stop_on_error=True)
+    spec = references["spec"](checkpoint_interval=5)
+    try:
+        crashed = run_ranks(agent, spec, 2, tmp_path / "a", root, faults={1: "crash@13"})
+        assert all(r.returncode != 0 for r in crashed)
+        resumed = run_ranks(agent, spec, 2, tmp_path / "b", root)
+    finally:
+        agent.stop()
+    for result in resumed:
+        assert result.returncode == 0, result.log[-3000:]
+    first = [r for r in agent.of(0, "iteration") if r.state_source][-1]
+    assert (first.state_source, first.restored_iteration) == ("checkpoint", 10)
+    assert_exact(root, want)
+
+
+def test_a_grow_cuts_the_new_ranks_shard_from_memory(references: dict[str, Any], tmp_path: Path) -> None:
+    """1 -> 2 ranks at a boundary after iteration 6: the new rank's half of every parameter and
+    moment moves to it from the live rank's memory. Within the resize bound."""
+    bound = resize_bound(references)
+    port, new_port = free_port(), free_port()
+    root = tmp_path / "ckpt"
+    joining: ProcessKey = (2, 1)
+
+    def ready(agent: ReformAgent) -> bool:
+        return joining in agent.hellos and len(agent.of((1, 0), "iteration")) >= 6
+
+    agent = ReformAgent({(1, 0): 0}, generation=2, world_size=2, port=new_port, when=ready)
+    slow = trainer_env(fault_injection=True, faults=("slow:0.3@6",))
+    try:
+        old = start_trainer(agent.address, references["spec"](), 0, 1, port, tmp_path, 1, root, slow)
+        new = start_trainer(
+            agent.address, references["spec"](), 1, 2, new_port, tmp_path, 2, root, trainer_env(state_from_peer=True)
+        )
+        results = [old.wait(), new.wait()]
+    finally:
+        agent.stop()
+    for result in results:
+        assert result.returncode == 0, result.log[-3000:]
+    assert agent.of(joining, "iteration")[0].state_source == "peer"
+    assert_within(root, references, bound)
+
+
+def test_a_shrink_reshards_from_the_nodes_snapshots(references: dict[str, Any], tmp_path: Path) -> None:
+    """Rank 1 leaves in iteration 6 taking its shard with it: rank 0 cuts the whole state from
+    its own shard's and rank 1's snapshots on the node. Within the resize bound."""
+    bound = resize_bound(references)
+    port, new_port = free_port(), free_port()
+    agent = ReformAgent({(1, 0): 0}, generation=2, world_size=1, port=new_port, when=ReformAgent.any_error)
+    snapshots = trainer_env(snapshot_dir=str(tmp_path / "snapshots"))
+    exits = {**snapshots, **trainer_env(fault_injection=True, faults=("exit@6",))}
+    root = tmp_path / "ckpt"
+    try:
+        spec = references["spec"]()
+        ranks = [
+            start_trainer(agent.address, spec, r, 2, port, tmp_path, 1, root, exits if r else snapshots) for r in (0, 1)
+        ]
+        assert ranks[1].wait().returncode == 3
+        result = ranks[0].wait()
+    finally:
+        agent.stop()
+    assert result.returncode == 0, result.log[-3000:]
+    reports = [r for r in agent.of((1, 0), "iteration") if r.generation == 2 and r.state_source]
+    assert reports[0].state_source == "snapshot", reports[0]
+    assert_within(root, references, bound)
