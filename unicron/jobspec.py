@@ -233,7 +233,7 @@ OPTIMIZER_DEFAULTS: dict[str, Any] = {
     "precision": "fp32",
     "checkpoint_format": "unicron",
 }
-CHECKPOINT_FORMATS = ("unicron", "megatron")
+CHECKPOINT_FORMATS = ("unicron", "megatron", "dcp")
 PRECISIONS = ("fp32", "bf16", "fp16")
 # The spec's settings with presence: unset means the default, a set 0 is a 0.
 OPTIONAL_OPTIMIZER_SETTINGS = ("adam_beta1", "adam_beta2", "adam_eps", "sgd_momentum", "clip_grad")

@@ -210,3 +210,36 @@ def test_a_shrink_reshards_from_the_nodes_snapshots(references: dict[str, Any], 
     reports = [r for r in agent.of((1, 0), "iteration") if r.generation == 2 and r.state_source]
     assert reports[0].state_source == "snapshot", reports[0]
     assert_within(root, references, bound)
+
+
+def test_a_dcp_checkpoint_is_torchs_own_and_resumes_at_another_size(references: dict[str, Any], tmp_path: Path) -> None:
+    """In torch's DCP format (``checkpoint_format: dcp``): 2 ranks checkpoint every 5
+    iterations and die in iteration 13; 1 rank resumes from iteration 10 (DCP reshards on
+    load) and ends within the resize bound. The final checkpoint is torch's own: read with
+    torch's converter, no Unicron code, it holds the model under its parameter names."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    bound = resize_bound(references)
+    spec = references["spec"](checkpoint_interval=5)
+    spec.training.checkpoint_format = "dcp"
+    root = tmp_path / "ckpt"
+    agent = FakeAgent(stop_on_error=True)
+    try:
+        crashed = run_ranks(agent, spec, 2, tmp_path / "a", root, faults={1: "crash@13"})
+        assert all(r.returncode != 0 for r in crashed)
+        (resumed,) = run_ranks(agent, spec, 1, tmp_path / "b", root)
+    finally:
+        agent.stop()
+    assert resumed.returncode == 0, resumed.log[-3000:]
+    first = [r for r in agent.of(0, "iteration") if r.state_source][-1]
+    assert (first.state_source, first.restored_iteration) == ("checkpoint", 10)
+    assert checkpoint.read_manifest(root, ITERATIONS, "torch-dcp")["iteration"] == ITERATIONS
+    dcp_to_torch_save(checkpoint.iteration_dir(root, ITERATIONS), tmp_path / "final.pt")
+    model = torch.load(tmp_path / "final.pt", weights_only=False)["model"]
+    want = references["get"](1)
+    assert sorted(model) == sorted(want)
+    got = {name: {"param": tensor.reshape(-1)} for name, tensor in model.items()}
+    worst = distance(got, want)
+    print(f"resumed at 1 rank from a 2-rank DCP checkpoint: {worst:.3e} from the 1-rank run's (bound {bound:.3e})")
+    assert worst <= bound, f"a parameter differs by {worst:.2e} relative, over the bound {bound:.2e}"

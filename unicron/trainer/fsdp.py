@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from unicron.trainer.optimizer_shards import SHARD_KEY, Ranges, ShardError, cut, shard_state, shards_of
-from unicron.trainer.program import ProgramError
+from unicron.trainer.program import ProgramError, Training
 
 # What the user's build function returns: (model, optimizer) or (model, optimizer, scheduler).
 Build = Callable[[Any], tuple[Any, ...]]
@@ -100,8 +100,10 @@ class FSDPTrainer:
     pipeline_parallel = 1
     shard = (0, 0)
 
-    def __init__(self, build: Build, device: str, timeout: timedelta | None) -> None:
-        self._build, self._device, self._timeout = build, device, timeout
+    def __init__(self, build: Build, device: str, timeout: timedelta | None, training: Training | None = None) -> None:
+        """``training``: the job's settings (its ``checkpoint_format`` picks the persistent
+        checkpoint's: Unicron's, or torch's DCP)."""
+        self._build, self._device, self._timeout, self.training = build, device, timeout, training
         self.mesh = make_mesh(device, dist.get_world_size())
         self.model, self.optimizer, self.scheduler = _unpack(build(self.mesh))
         _check(self.model, self.optimizer, self.mesh)
@@ -260,7 +262,7 @@ class FSDPTrainer:
     def rebuild(self, timeout: timedelta | None = None) -> FSDPTrainer:
         """The model built again on a mesh over the current world (its state fresh: the
         reform loads it)."""
-        trainer = FSDPTrainer(self._build, self._device, timeout or self._timeout)
+        trainer = FSDPTrainer(self._build, self._device, timeout or self._timeout, self.training)
         trainer.grad_sync_hook = self.grad_sync_hook
         return trainer
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from unicron.jobspec import DEFAULT_CHECKPOINT_INTERVAL, OPTIMIZER_DEFAULTS, OPTIONAL_OPTIMIZER_SETTINGS
 from unicron.trainer import tensorboard_log
-from unicron.trainer.program import MegatronProgram, Training
+from unicron.trainer.program import MegatronProgram, ProgramError, Training
 from unicron.trainer.protocol import T
 from unicron.trainer.runtime import (
     Decision,
@@ -139,6 +139,11 @@ def train(run: Run, program: MegatronProgram) -> None:
         torch.cuda.set_device(cuda_device(torch.cuda.device_count(), run.rank))
     training = training_of(spec)
     try:
+        if training.checkpoint_format == "dcp":
+            raise ProgramError(
+                "training.checkpoint_format dcp is torch's DCP for an FSDP2 program under Session; a Megatron-Core"
+                " program checkpoints in unicron or megatron format"
+            )
         trainer = _first_trainer(run, program, training, use_cuda)
         interval = training.checkpoint_interval
         every = config.snapshot_interval if config.snapshot_dir else 0

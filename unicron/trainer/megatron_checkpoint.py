@@ -31,7 +31,8 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -153,13 +154,25 @@ def _tracker_is_ours(root: Path) -> bool:
     return not named.exists() or checkpoint.written_by_unicron(named)  # a dangling tracker names nothing
 
 
-def save(trainer: Any, root: str | Path) -> str:
+@dataclass(frozen=True)
+class DistributedFormat:
+    """A checkpoint format every rank writes its part of (Megatron-Core's dist_checkpointing,
+    torch's DCP): how an iteration's directory is named, how the state is written into it and
+    loaded from it (collective), and whether Megatron-LM's tracker file is kept. Saving,
+    verifying and restoring are the same for all of them (``save_in``, ``restore_from``)."""
+
+    name: str  # the manifest's format
+    directory: Callable[[str | Path, int], Path]
+    write: Callable[[Any, Path], None]
+    load: Callable[[Any, Path], None]
+    tracker: bool
+
+
+def save_in(fmt: DistributedFormat, trainer: Any, root: str | Path) -> str:
     """Collective, as ``checkpoint.save``: "" once the checkpoint is complete (on rank 0; the
     other ranks once their part is written), else why not. Never raises for a failed write."""
-    from megatron.core import dist_checkpointing
-
     iteration = trainer.iteration
-    directory = iteration_dir(root, iteration)
+    directory = fmt.directory(root, iteration)
     problem = ""
     if dist.get_rank() == 0:
         try:
@@ -168,17 +181,8 @@ def save(trainer: Any, root: str | Path) -> str:
             problem = f"cannot write {directory}: {exc}"
     if not _flag(not problem):
         return problem or "rank 0 could not prepare the checkpoint directory"
-    state = {
-        **trainer.sharded_state(),
-        "iteration": iteration,
-        "checkpoint_version": CHECKPOINT_VERSION,
-        "opt_param_scheduler": trainer.scheduler.state_dict(),
-        "unicron_layout": checkpoint.layout_of(trainer).as_dict(),
-    }
     try:
-        _results_queue_dies_with_us()
-        with cpu_mode(trainer.device), _quiet_overwrite():
-            dist_checkpointing.save(state, str(directory))
+        fmt.write(trainer, directory)
     except Exception as exc:  # noqa: BLE001 - a failed checkpoint is logged; training goes on
         problem = f"rank {dist.get_rank()}: {exc}"
     if not _flag(not problem):
@@ -188,16 +192,16 @@ def save(trainer: Any, root: str | Path) -> str:
         return ""
     try:
         manifest = {
-            "format": FORMAT,
+            "format": fmt.name,
             "iteration": iteration,
             "layout": checkpoint.layout_of(trainer).as_dict(),
             "files": _files(directory),
             "saved_at": time.time(),
         }
         checkpoint.atomic_write(directory / checkpoint.MANIFEST, json.dumps(manifest, indent=1).encode())
-        if _tracker_is_ours(Path(root)):
+        if fmt.tracker and _tracker_is_ours(Path(root)):
             checkpoint.atomic_write(Path(root) / TRACKER, f"{iteration}\n".encode())
-        else:
+        elif fmt.tracker:
             log.warning("%s names another program's checkpoint: left as it is", Path(root) / TRACKER)
     except OSError as exc:
         log.warning("checkpoint at iteration %d not saved: %s", iteration, exc)
@@ -207,10 +211,25 @@ def save(trainer: Any, root: str | Path) -> str:
     return ""
 
 
-def verify(root: str | Path, iteration: int, layout: checkpoint.Layout) -> Path:
+def _write_megatron(trainer: Any, directory: Path) -> None:
+    from megatron.core import dist_checkpointing
+
+    state = {
+        **trainer.sharded_state(),
+        "iteration": trainer.iteration,
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "opt_param_scheduler": trainer.scheduler.state_dict(),
+        "unicron_layout": checkpoint.layout_of(trainer).as_dict(),
+    }
+    _results_queue_dies_with_us()
+    with cpu_mode(trainer.device), _quiet_overwrite():
+        dist_checkpointing.save(state, str(directory))
+
+
+def verify(root: str | Path, iteration: int, layout: checkpoint.Layout, fmt: str = FORMAT) -> Path:
     """The directory of checkpoint ``iteration`` once its manifest matches the job and every
     file its sha256; CheckpointError otherwise."""
-    manifest = checkpoint.read_manifest(root, iteration, FORMAT)
+    manifest = checkpoint.read_manifest(root, iteration, fmt)
     if manifest.get("layout") != layout.as_dict():
         raise checkpoint.CheckpointError(f"saved for another model or split: {manifest.get('layout')}")
     directory = checkpoint.found_dir(root, iteration)
@@ -233,8 +252,8 @@ def _load(trainer: Any, directory: Path, weights_only: bool = False) -> None:
     trainer.load_sharded(loaded, weights_only)
 
 
-def restore(trainer: Any, root: str | Path) -> checkpoint.Restored:
-    """Collective: the newest good checkpoint of this format under ``root`` loaded into
+def restore_from(fmt: DistributedFormat, trainer: Any, root: str | Path) -> checkpoint.Restored:
+    """Collective: the newest good checkpoint of ``fmt`` under ``root`` loaded into
     ``trainer``, or ``fresh`` with none."""
     holder: list[Any] = [checkpoint.list_complete(root) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(holder, src=0)
@@ -243,7 +262,7 @@ def restore(trainer: Any, root: str | Path) -> checkpoint.Restored:
         problem = ""
         if dist.get_rank() == 0:
             try:
-                verify(root, iteration, layout)
+                verify(root, iteration, layout, fmt.name)
             except checkpoint.CheckpointError as exc:
                 problem = str(exc)
         if not _flag(not problem):
@@ -251,7 +270,7 @@ def restore(trainer: Any, root: str | Path) -> checkpoint.Restored:
                 log.warning("checkpoint at iteration %d is unusable: %s; trying an older one", iteration, problem)
             continue
         try:
-            _load(trainer, checkpoint.found_dir(root, iteration))
+            fmt.load(trainer, checkpoint.found_dir(root, iteration))
         except _LOAD_ERRORS as exc:  # a checkpoint that does not load is skipped
             problem = f"rank {dist.get_rank()}: {_last_line(exc)}"
         if _flag(not problem):
@@ -259,6 +278,20 @@ def restore(trainer: Any, root: str | Path) -> checkpoint.Restored:
             return checkpoint.Restored(checkpoint.SOURCE_CHECKPOINT, iteration)
         log.warning("checkpoint at iteration %d does not load: %s", iteration, problem or "on another rank")
     return checkpoint.Restored(checkpoint.SOURCE_FRESH, 0)
+
+
+MEGATRON = DistributedFormat(FORMAT, iteration_dir, _write_megatron, _load, tracker=True)
+
+
+def save(trainer: Any, root: str | Path) -> str:
+    """Collective: ``trainer``'s state saved as Megatron-LM saves it (see ``save_in``)."""
+    return save_in(MEGATRON, trainer, root)
+
+
+def restore(trainer: Any, root: str | Path) -> checkpoint.Restored:
+    """Collective: the newest good checkpoint of this format under ``root`` loaded into
+    ``trainer``, or ``fresh`` with none."""
+    return restore_from(MEGATRON, trainer, root)
 
 
 def megatron_iteration_dir(path: str | Path) -> Path:

@@ -1,6 +1,7 @@
 """A job's persistent checkpoint in the format its spec chooses (``training.checkpoint_format``):
-Unicron's own (``checkpoint.py``, the default) or Megatron-Core's distributed checkpoint
-(``megatron_checkpoint.py``); and, where neither holds a checkpoint yet, the Megatron-LM
+Unicron's own (``checkpoint.py``, the default), Megatron-Core's distributed checkpoint
+(``megatron_checkpoint.py``) or, for an FSDP2 program under Session, torch's DCP
+(``dcp_checkpoint.py``); and, where neither holds a checkpoint yet, the Megatron-LM
 checkpoint the job starts from (``training.initial_checkpoint``); and the final checkpoint
 ``pretrain`` ends with, in Megatron's format whatever the job's, for plain scripts to load."""
 
@@ -9,9 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from unicron.trainer import checkpoint, megatron_checkpoint
+from unicron.trainer import checkpoint, dcp_checkpoint, megatron_checkpoint
 
-FORMATS = ("unicron", "megatron")
+FORMATS = ("unicron", "megatron", "dcp")
 # Where the final checkpoint of a job that keeps Unicron's format goes, laid out as a
 # Megatron-LM save directory (its tracker file and one ``iter_*`` directory).
 FINAL_DIR = "final"
@@ -21,14 +22,20 @@ def _training(trainer: Any) -> Any:
     return getattr(trainer, "training", None)
 
 
+def _format(trainer: Any) -> str:
+    return str(getattr(_training(trainer), "checkpoint_format", "unicron"))
+
+
 def _megatron_format(trainer: Any) -> bool:
-    return getattr(_training(trainer), "checkpoint_format", "unicron") == "megatron"
+    return _format(trainer) == "megatron"
 
 
 def save(trainer: Any, root: str | Path) -> str:
     """Collective: as ``checkpoint.save``, in the job's format."""
     if _megatron_format(trainer):
         return megatron_checkpoint.save(trainer, root)
+    if _format(trainer) == "dcp":
+        return dcp_checkpoint.save(trainer, root)
     return checkpoint.save(trainer, root)
 
 
@@ -37,7 +44,8 @@ def restore(trainer: Any, root: str | Path) -> checkpoint.Restored:
     else the initial checkpoint the job names, else a fresh model."""
     restored = checkpoint.Restored(checkpoint.SOURCE_FRESH, 0)
     if root:
-        restored = (megatron_checkpoint.restore if _megatron_format(trainer) else checkpoint.restore)(trainer, root)
+        chosen = {"megatron": megatron_checkpoint.restore, "dcp": dcp_checkpoint.restore}.get(_format(trainer))
+        restored = (chosen or checkpoint.restore)(trainer, root)
     training = _training(trainer)
     initial = getattr(training, "initial_checkpoint", "")
     if restored.source == checkpoint.SOURCE_FRESH and initial:

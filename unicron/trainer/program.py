@@ -48,8 +48,9 @@ class Training:
     distributed_optimizer: Megatron's distributed optimizer (Adam's state sharded over the
     data-parallel ranks). eval_interval: evaluate on the program's validation data every this
     many iterations (0: never), over eval_iterations global batches. tensorboard_dir: rank 0
-    writes TensorBoard event files there ("": none). checkpoint_format: "unicron" or "megatron"
-    (Megatron-Core's distributed checkpoint). initial_checkpoint: a Megatron-LM checkpoint to
+    writes TensorBoard event files there ("": none). checkpoint_format: "unicron", "megatron"
+    (Megatron-Core's distributed checkpoint) or "dcp" (torch's, for an FSDP2 program under
+    Session). initial_checkpoint: a Megatron-LM checkpoint to
     start from (initial_checkpoint_weights_only: its weights only). replication: 2 keeps a
     buddy copy of each rank's optimizer shard on a peer of another node, 1 none (0: 2 under
     the distributed optimizer, else 1)."""

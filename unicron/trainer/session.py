@@ -195,10 +195,10 @@ class Session:
             run = runtime.attach_local(loop.local_spec(training or Training()), checkpoint_dir)
         self._run = run
         self.training = loop.training_of(run.spec) if run.supervised else (training or Training())
-        if self.training.checkpoint_format != "unicron" or self.training.initial_checkpoint:
+        if self.training.checkpoint_format == "megatron" or self.training.initial_checkpoint:
             raise ProgramError(
                 "training.checkpoint_format megatron and training.initial_checkpoint need a Megatron-Core program"
-                " (pretrain); a Session's state is checkpointed in Unicron's format"
+                " (pretrain); a Session's state is checkpointed in Unicron's format, or torch's DCP (dcp)"
             )
         if self.training.tensor_parallel != 1 or self.training.pipeline_parallel != 1:
             raise ProgramError("the plain PyTorch level is data-parallel only (tensor and pipeline parallel 1)")
@@ -262,9 +262,14 @@ class Session:
                 raise ProgramError("register(build=...) takes no model, optimizer or scheduler: build returns them")
             if not callable(build):
                 raise ProgramError(f"register(build=...) takes a function of the mesh, got {type(build).__name__}")
-            trainer = FSDPTrainer(build, self._device, timeout)
+            trainer = FSDPTrainer(build, self._device, timeout, self.training)
             trainer.grad_sync_hook = self._in_sharded_grad_sync
         else:
+            if self.training.checkpoint_format == "dcp":
+                raise ProgramError(
+                    "training.checkpoint_format dcp checkpoints a model sharded with FSDP2: register(build=...);"
+                    " a replicated model's state is checkpointed in Unicron's format"
+                )
             _check_replica(model, optimizer, scheduler)
             trainer = TorchTrainer(model, optimizer, scheduler, self._device, timeout)
             if self._run.injector.enabled:
@@ -370,7 +375,7 @@ class Session:
     def steps(self) -> Iterator[Step]:
         """The job's remaining iterations, one Step each; a step that failed and was reformed
         comes again. Ends at the last iteration (after telling the agent), or when stopped."""
-        from unicron.trainer import checkpoint, loop
+        from unicron.trainer import loop, persistent
 
         if self._trainer is None:
             raise ProgramError("register(model=..., optimizer=...) must come before steps()")
@@ -399,7 +404,7 @@ class Session:
             )
             self._trainer.update_started = False
             if config.checkpoint_dir and interval and run.iteration % interval == 0:
-                run.durability.checkpointed(run.iteration, checkpoint.save(self._trainer, config.checkpoint_dir))
+                run.durability.checkpointed(run.iteration, persistent.save(self._trainer, config.checkpoint_dir))
             self._writer.after_iteration(self._trainer)
         if run.stop.is_set() and run.iteration < self.training.iterations:
             raise SystemExit(runtime.EXIT_STOPPED)
