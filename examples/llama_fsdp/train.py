@@ -70,6 +70,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
         default=None,
         help="linear warmup of the learning rate (default: a tenth of the iterations)",
     )
+    model.add_argument(
+        "--shard-degree",
+        type=int,
+        default=0,
+        help="HSDP: ranks per shard group, each group a whole copy of the state (default 0: FSDP over all ranks)",
+    )
     local = parser.add_argument_group("without Unicron (under Unicron the job spec's settings apply)")
     local.add_argument("--iterations", type=int, default=40, help="optimizer iterations (default 40)")
     local.add_argument("--global-batch-size", type=int, default=16, help="samples per iteration (default 16)")
@@ -186,7 +192,7 @@ def main(argv: list[str] | None = None) -> None:
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(warmup, training.iterations))
         return model, optimizer, scheduler
 
-    session.register(build=build)
+    session.register(build=build, shard_degree=args.shard_degree)
     # Megatron's dataset logs its index building at info level, on every rank: kept to warnings.
     logging.getLogger("megatron.core.datasets").setLevel(logging.WARNING)
     data = TextData(

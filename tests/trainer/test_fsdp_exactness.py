@@ -243,3 +243,41 @@ def test_a_dcp_checkpoint_is_torchs_own_and_resumes_at_another_size(references: 
     worst = distance(got, want)
     print(f"resumed at 1 rank from a 2-rank DCP checkpoint: {worst:.3e} from the 1-rank run's (bound {bound:.3e})")
     assert worst <= bound, f"a parameter differs by {worst:.2e} relative, over the bound {bound:.2e}"
+
+
+def test_under_hsdp_a_restarted_rank_takes_its_shard_from_its_replica(tmp_path: Path) -> None:
+    """HSDP over 4 ranks (2 replicas x 2 shards, fp32): rank 3 is killed in iteration 9 and a
+    new process takes its place; its shard is in the memory of rank 1, the other replica's
+    rank of the same shard, and moves from there. The run ends bit-identical to a failure-free
+    one: no snapshot, no checkpoint read."""
+    spec = llama_spec("fp32")
+    spec.program.args.extend(["--shard-degree", "2"])
+    plain = FakeAgent()
+    try:
+        results = run_ranks(plain, spec, 4, tmp_path / "reference", tmp_path / "reference" / "ckpt")
+    finally:
+        plain.stop()
+    for result in results:
+        assert result.returncode == 0, result.log[-3000:]
+    want = final_state(tmp_path / "reference" / "ckpt")
+    port, new_port = free_port(), free_port()
+    root = tmp_path / "ckpt"
+    agent = ReformAgent(
+        {(1, r): r for r in range(3)}, generation=2, world_size=4, port=new_port, when=ReformAgent.any_error
+    )
+    crash = trainer_env(fault_injection=True, faults=("crash@9",))
+    try:
+        old = [
+            start_trainer(agent.address, spec, r, 4, port, tmp_path, 1, root, crash if r == 3 else None)
+            for r in range(4)
+        ]
+        assert old[3].wait().returncode != 0
+        new = start_trainer(agent.address, spec, 3, 4, new_port, tmp_path, 2, root, trainer_env(state_from_peer=True))
+        results = [*(o.wait() for o in old[:3]), new.wait()]
+    finally:
+        agent.stop()
+    for result in results:
+        assert result.returncode == 0, result.log[-3000:]
+    first = agent.of((2, 3), "iteration")[0]
+    assert (first.iteration, first.state_source, first.restored_iteration) == (9, "peer", 8)
+    assert_exact(root, want)

@@ -429,11 +429,13 @@ def save(trainer: Trainer, root: str | Path) -> str:
     try:
         state = trainer.state_dict()
         own = state.get(SHARD_KEY)
-        if trainer.data_parallel_rank == 0:
+        # Under HSDP the other replicas hold the same shards: the first one writes them.
+        first_replica = getattr(trainer, "replica", 0) == 0
+        if trainer.data_parallel_rank == 0 and first_replica:
             whole = {**state_parts(state), "layout": layout_of(trainer).as_dict()}
             whole.pop(SHARD_KEY, None)  # written on its own, as every other rank's
             records.append(write_shard(root, iteration, tp_rank, pp_rank, whole))
-        if own is not None:
+        if own is not None and first_replica:
             records.append(write_shard(root, iteration, tp_rank, pp_rank, {SHARD_KEY: own}, data_parallel_of(own)))
     except Exception as exc:  # noqa: BLE001 - reported through the gather, then logged
         records.append(f"rank {dist.get_rank()} could not write tp{tp_rank}_pp{pp_rank}: {exc}")

@@ -38,11 +38,20 @@ from unicron.trainer.program import ProgramError, Training
 Build = Callable[[Any], tuple[Any, ...]]
 
 
-def make_mesh(device: str, world_size: int) -> Any:
-    """A 1-D mesh over the whole world, its dimension named ``shard``."""
+def make_mesh(device: str, world_size: int, shard_degree: int = 0) -> Any:
+    """The mesh the model is sharded on: 1-D over the whole world (``shard``) for FSDP, or for
+    HSDP (``shard_degree`` ranks per shard group, fewer than the world) 2-D, ``replicate`` x
+    ``shard``, each row a whole copy of the state. ProgramError when the world does not split
+    into groups of ``shard_degree``."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device, (world_size,), mesh_dim_names=("shard",))
+    if shard_degree in (0, world_size):
+        return init_device_mesh(device, (world_size,), mesh_dim_names=("shard",))
+    if shard_degree < 0 or world_size % shard_degree:
+        raise ProgramError(
+            f"register(shard_degree={shard_degree}): the world of {world_size} ranks does not split into it"
+        )
+    return init_device_mesh(device, (world_size // shard_degree, shard_degree), mesh_dim_names=("replicate", "shard"))
 
 
 def element_range(param: Any) -> tuple[int, int, int]:
@@ -100,11 +109,26 @@ class FSDPTrainer:
     pipeline_parallel = 1
     shard = (0, 0)
 
-    def __init__(self, build: Build, device: str, timeout: timedelta | None, training: Training | None = None) -> None:
+    def __init__(
+        self,
+        build: Build,
+        device: str,
+        timeout: timedelta | None,
+        training: Training | None = None,
+        shard_degree: int = 0,
+    ) -> None:
         """``training``: the job's settings (its ``checkpoint_format`` picks the persistent
-        checkpoint's: Unicron's, or torch's DCP)."""
+        checkpoint's: Unicron's, or torch's DCP). ``shard_degree``: HSDP's ranks per shard
+        group (0: the whole world, plain FSDP)."""
         self._build, self._device, self._timeout, self.training = build, device, timeout, training
-        self.mesh = make_mesh(device, dist.get_world_size())
+        self._shard_degree = shard_degree
+        self.mesh = make_mesh(device, dist.get_world_size(), shard_degree)
+        # (replica, shard rank, shard degree): under HSDP each replica's shard ranks hold the
+        # pieces of that shard rank, so the data-parallel place of the state is the shard's.
+        coordinate = self.mesh.get_coordinate() or [0]
+        degree = self.mesh.size(-1)
+        self.replica = int(coordinate[0]) if self.mesh.ndim == 2 else 0
+        self._place = (int(coordinate[-1]), int(degree))
         self.model, self.optimizer, self.scheduler = _unpack(build(self.mesh))
         _check(self.model, self.optimizer, self.mesh)
         self.iteration = 0
@@ -139,11 +163,13 @@ class FSDPTrainer:
 
     @property
     def data_parallel_rank(self) -> int:
-        return int(dist.get_rank())
+        """The rank within the shard group: which pieces this rank holds."""
+        return self._place[0]
 
     @property
     def data_parallel_size(self) -> int:
-        return int(dist.get_world_size())
+        """The shard degree: into how many parts the state is cut."""
+        return self._place[1]
 
     def data_parallel_group(self) -> Any:
         return None
@@ -262,7 +288,7 @@ class FSDPTrainer:
     def rebuild(self, timeout: timedelta | None = None) -> FSDPTrainer:
         """The model built again on a mesh over the current world (its state fresh: the
         reform loads it)."""
-        trainer = FSDPTrainer(self._build, self._device, timeout or self._timeout, self.training)
+        trainer = FSDPTrainer(self._build, self._device, timeout or self._timeout, self.training, self._shard_degree)
         trainer.grad_sync_hook = self.grad_sync_hook
         return trainer
 

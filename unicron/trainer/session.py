@@ -244,14 +244,24 @@ class Session:
     def scheduler(self) -> Any:
         return None if self._trainer is None else self._trainer.scheduler
 
-    def register(self, *, model: Any = None, optimizer: Any = None, scheduler: Any = None, build: Any = None) -> None:
+    def register(
+        self,
+        *,
+        model: Any = None,
+        optimizer: Any = None,
+        scheduler: Any = None,
+        build: Any = None,
+        shard_degree: int = 0,
+    ) -> None:
         """Registers what makes up the training state and restores it from the nearest source
         (a live peer, this node's snapshot, the checkpoint), or keeps it fresh.
 
         A replicated model: ``register(model=, optimizer=, scheduler=)``. A model sharded with
         FSDP2: ``register(build=fn)``, where ``fn(mesh)`` builds the model, shards it with
         ``fully_shard(..., mesh=mesh)`` and returns ``(model, optimizer[, scheduler])``; it is
-        called again on the new mesh after every reform (unicron/trainer/fsdp.py)."""
+        called again on the new mesh after every reform (unicron/trainer/fsdp.py). With
+        ``shard_degree`` (fewer ranks than the world) the mesh is HSDP's, ``replicate`` x
+        ``shard``: each group of that many ranks holds a whole copy of the state."""
         if self._trainer is not None:
             raise ProgramError("register() was called twice")
         config = self._run.config
@@ -262,7 +272,7 @@ class Session:
                 raise ProgramError("register(build=...) takes no model, optimizer or scheduler: build returns them")
             if not callable(build):
                 raise ProgramError(f"register(build=...) takes a function of the mesh, got {type(build).__name__}")
-            trainer = FSDPTrainer(build, self._device, timeout, self.training)
+            trainer = FSDPTrainer(build, self._device, timeout, self.training, shard_degree)
             trainer.grad_sync_hook = self._in_sharded_grad_sync
         else:
             if self.training.checkpoint_format == "dcp":
