@@ -281,3 +281,53 @@ def test_under_hsdp_a_restarted_rank_takes_its_shard_from_its_replica(tmp_path: 
     first = agent.of((2, 3), "iteration")[0]
     assert (first.iteration, first.state_source, first.restored_iteration) == (9, "peer", 8)
     assert_exact(root, want)
+
+
+def _torchtitan_style(directory: Path, size: str) -> int:
+    """A DCP checkpoint of the example's model as torchtitan lays one out (the parameters at
+    the top level under their names), written by one process without Unicron, its output head
+    zeroed: a model that predicts every token with the same probability."""
+    from dataclasses import replace
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from examples.gpt import data as text
+    from examples.llama_fsdp.model import SIZES, Llama
+    from unicron_dev.localcluster import ROOT
+
+    prepared = text.prepare(ROOT / ".cache" / "data" / "llama-stdlib-1024", vocab_size=1024)
+    vocab = text.Tokenizer(prepared.tokenizer_path).vocab_size
+    model = Llama(replace(SIZES[size], vocab_size=vocab, max_seq_len=32))
+    with torch.no_grad():
+        model.output.weight.zero_()
+    dcp.save(dict(model.state_dict()), checkpoint_id=str(directory))
+    return int(vocab)
+
+
+def test_a_job_starts_from_a_dcp_checkpoint_written_elsewhere(tmp_path: Path) -> None:
+    """``training.initial_checkpoint`` naming a torchtitan-style DCP checkpoint: both ranks take
+    its weights (a zeroed output head makes the first iteration's loss ln(vocab)). One
+    of another model fails the job once, naming what it lacks."""
+    import math
+
+    vocab = _torchtitan_style(tmp_path / "start", "tiny")
+    spec = llama_spec("fp32")
+    spec.training.iterations, spec.training.initial_checkpoint = 2, str(tmp_path / "start")
+    spec.training.initial_checkpoint_weights_only = True
+    agent = FakeAgent()
+    try:
+        results = run_ranks(agent, spec, 2, tmp_path / "a", tmp_path / "a" / "ckpt")
+        for result in results:
+            assert result.returncode == 0, result.log[-3000:]
+        first = agent.of(0, "iteration")[0]
+        assert first.state_source == "initial"
+        assert abs(first.loss - math.log(vocab)) < 1e-5, first.loss
+        _torchtitan_style(tmp_path / "other", "10m")
+        spec.training.initial_checkpoint = str(tmp_path / "other")
+        (failed,) = run_ranks(agent, spec, 1, tmp_path / "b", tmp_path / "b" / "ckpt")
+    finally:
+        agent.stop()
+    assert failed.returncode != 0
+    errors = [e.message for e in agent.of(0, "error")]
+    assert any("does not fit this job's model" in m or "is of another model" in m for m in errors), errors

@@ -59,10 +59,10 @@ def _load_errors() -> tuple[type[BaseException], ...]:
     return (Exception, CheckpointException)
 
 
-_LOAD_ERRORS = _load_errors()
+LOAD_ERRORS = _load_errors()
 
 
-def _last_line(exc: BaseException) -> str:
+def last_line(exc: BaseException) -> str:
     """The line of a (possibly many-line, gathered from every rank) error that says what."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     return (lines[-1] if lines else type(exc).__name__)[:300]
@@ -121,7 +121,7 @@ def _results_queue_dies_with_us() -> None:
         filesystem_async._results_queue = manager.Queue()
 
 
-def _flag(ok: bool) -> bool:
+def all_ranks_agree(ok: bool) -> bool:
     """Collective: whether ``ok`` holds on every rank."""
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=checkpoint.flag_device())
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
@@ -179,13 +179,13 @@ def save_in(fmt: DistributedFormat, trainer: Any, root: str | Path) -> str:
             problem = _prepare(directory)
         except OSError as exc:
             problem = f"cannot write {directory}: {exc}"
-    if not _flag(not problem):
+    if not all_ranks_agree(not problem):
         return problem or "rank 0 could not prepare the checkpoint directory"
     try:
         fmt.write(trainer, directory)
     except Exception as exc:  # noqa: BLE001 - a failed checkpoint is logged; training goes on
         problem = f"rank {dist.get_rank()}: {exc}"
-    if not _flag(not problem):
+    if not all_ranks_agree(not problem):
         log.warning("checkpoint at iteration %d not saved: %s", iteration, problem or "another rank failed")
         return problem or "another rank could not write its part"
     if dist.get_rank() != 0:
@@ -265,15 +265,15 @@ def restore_from(fmt: DistributedFormat, trainer: Any, root: str | Path) -> chec
                 verify(root, iteration, layout, fmt.name)
             except checkpoint.CheckpointError as exc:
                 problem = str(exc)
-        if not _flag(not problem):
+        if not all_ranks_agree(not problem):
             if problem:
                 log.warning("checkpoint at iteration %d is unusable: %s; trying an older one", iteration, problem)
             continue
         try:
             fmt.load(trainer, checkpoint.found_dir(root, iteration))
-        except _LOAD_ERRORS as exc:  # a checkpoint that does not load is skipped
-            problem = f"rank {dist.get_rank()}: {_last_line(exc)}"
-        if _flag(not problem):
+        except LOAD_ERRORS as exc:  # a checkpoint that does not load is skipped
+            problem = f"rank {dist.get_rank()}: {last_line(exc)}"
+        if all_ranks_agree(not problem):
             log.info("resumed from checkpoint", extra={"iteration": iteration, "checkpoint": str(root)})
             return checkpoint.Restored(checkpoint.SOURCE_CHECKPOINT, iteration)
         log.warning("checkpoint at iteration %d does not load: %s", iteration, problem or "on another rank")
@@ -328,9 +328,9 @@ def load_initial(trainer: Any, path: str, weights_only: bool) -> checkpoint.Rest
         _load(trainer, directory, weights_only)
     except ProgramError as exc:
         problem = str(exc)
-    except _LOAD_ERRORS as exc:  # Megatron says what does not fit; the job fails once
-        problem = f"training.initial_checkpoint {path} does not fit this job's model: {_last_line(exc)}"
-    if not _flag(not problem):
+    except LOAD_ERRORS as exc:  # Megatron says what does not fit; the job fails once
+        problem = f"training.initial_checkpoint {path} does not fit this job's model: {last_line(exc)}"
+    if not all_ranks_agree(not problem):
         raise ProgramError(problem or "training.initial_checkpoint did not load on another rank")
     what = "weights" if weights_only else "model, optimizer and schedule"
     log.info("started from a Megatron checkpoint", extra={"checkpoint": str(directory), "loaded": what})

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from unicron.trainer import checkpoint, dcp_checkpoint, megatron_checkpoint
+from unicron.trainer.fsdp import FSDPTrainer
 
 FORMATS = ("unicron", "megatron", "dcp")
 # Where the final checkpoint of a job that keeps Unicron's format goes, laid out as a
@@ -49,7 +50,10 @@ def restore(trainer: Any, root: str | Path) -> checkpoint.Restored:
     training = _training(trainer)
     initial = getattr(training, "initial_checkpoint", "")
     if restored.source == checkpoint.SOURCE_FRESH and initial:
-        return megatron_checkpoint.load_initial(trainer, initial, training.initial_checkpoint_weights_only)
+        # An FSDP2 program under Session starts from torch's format, a Megatron-Core one from Megatron's.
+        sharded = isinstance(trainer, FSDPTrainer)
+        load = dcp_checkpoint.load_initial if sharded else megatron_checkpoint.load_initial
+        return load(trainer, initial, training.initial_checkpoint_weights_only)
     return restored
 
 

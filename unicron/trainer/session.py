@@ -195,10 +195,10 @@ class Session:
             run = runtime.attach_local(loop.local_spec(training or Training()), checkpoint_dir)
         self._run = run
         self.training = loop.training_of(run.spec) if run.supervised else (training or Training())
-        if self.training.checkpoint_format == "megatron" or self.training.initial_checkpoint:
+        if self.training.checkpoint_format == "megatron":
             raise ProgramError(
-                "training.checkpoint_format megatron and training.initial_checkpoint need a Megatron-Core program"
-                " (pretrain); a Session's state is checkpointed in Unicron's format, or torch's DCP (dcp)"
+                "training.checkpoint_format megatron needs a Megatron-Core program (pretrain); a Session's state is"
+                " checkpointed in Unicron's format, or torch's DCP (dcp)"
             )
         if self.training.tensor_parallel != 1 or self.training.pipeline_parallel != 1:
             raise ProgramError("the plain PyTorch level is data-parallel only (tensor and pipeline parallel 1)")
@@ -275,10 +275,10 @@ class Session:
             trainer = FSDPTrainer(build, self._device, timeout, self.training, shard_degree)
             trainer.grad_sync_hook = self._in_sharded_grad_sync
         else:
-            if self.training.checkpoint_format == "dcp":
+            if self.training.checkpoint_format == "dcp" or self.training.initial_checkpoint:
                 raise ProgramError(
-                    "training.checkpoint_format dcp checkpoints a model sharded with FSDP2: register(build=...);"
-                    " a replicated model's state is checkpointed in Unicron's format"
+                    "training.checkpoint_format dcp and training.initial_checkpoint are for a model sharded with FSDP2"
+                    " (register(build=...)); a replicated model's state is checkpointed in Unicron's format"
                 )
             _check_replica(model, optimizer, scheduler)
             trainer = TorchTrainer(model, optimizer, scheduler, self._device, timeout)
