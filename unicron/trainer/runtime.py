@@ -340,9 +340,14 @@ def report_error(run: Run, exc: BaseException, kind: common_pb2.FailureKind | No
     cleanup: tearing down a process group whose peers still wait in a collective can block,
     and the report must not wait."""
     kind = error_kind(run, exc) if kind is None else kind
+    # An error once every iteration is trained (in the final checkpoint's save, in teardown)
+    # loses no training: said as the coordinator says it of a rank that exits then, so the
+    # job's log does not show a failure that wanted a remedy.
+    total = run.spec.training.iterations
+    after = f"after its last iteration {run.iteration}: " if total and run.iteration >= total else ""
     error = trainer_service_pb2.TrainerError(
         kind=kind,
-        message=f"{type(exc).__name__}: {exc}"[:2000],
+        message=f"{after}{type(exc).__name__}: {exc}"[:2000],
         iteration=run.iteration + 1,
         generation=max(0, run.generation),
         traceback="".join(traceback.format_exception(exc))[-TRACEBACK_LIMIT:],
