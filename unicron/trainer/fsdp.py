@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from unicron.trainer.optimizer_shards import SHARD_KEY, Ranges, ShardError, cut, shard_state, shards_of
+from unicron.trainer.plain_trainer import PlainLoopTrainer
 from unicron.trainer.program import ProgramError, Training
 
 # What the user's build function returns: (model, optimizer) or (model, optimizer, scheduler).
@@ -101,13 +102,9 @@ def _check(model: torch.nn.Module, optimizer: torch.optim.Optimizer, mesh: Any) 
         raise ProgramError("register(build=...): the optimizer updates parameters that are not the built model's")
 
 
-class FSDPTrainer:
+class FSDPTrainer(PlainLoopTrainer):
     """The state of an FSDP2-sharded program as the runtime's state machinery takes a trainer:
     one (TP, PP) slice, every rank a data-parallel rank holding its shard of everything."""
-
-    tensor_parallel = 1
-    pipeline_parallel = 1
-    shard = (0, 0)
 
     def __init__(
         self,
@@ -120,8 +117,7 @@ class FSDPTrainer:
         """``training``: the job's settings (its ``checkpoint_format`` picks the persistent
         checkpoint's: Unicron's, or torch's DCP). ``shard_degree``: HSDP's ranks per shard
         group (0: the whole world, plain FSDP)."""
-        self._build, self._device, self._timeout, self.training = build, device, timeout, training
-        self._shard_degree = shard_degree
+        self._build, self.training, self._shard_degree = build, training, shard_degree
         self.mesh = make_mesh(device, dist.get_world_size(), shard_degree)
         # (replica, shard rank, shard degree): under HSDP each replica's shard ranks hold the
         # pieces of that shard rank, so the data-parallel place of the state is the shard's.
@@ -129,12 +125,9 @@ class FSDPTrainer:
         degree = self.mesh.size(-1)
         self.replica = int(coordinate[0]) if self.mesh.ndim == 2 else 0
         self._place = (int(coordinate[-1]), int(degree))
-        self.model, self.optimizer, self.scheduler = _unpack(build(self.mesh))
-        _check(self.model, self.optimizer, self.mesh)
-        self.iteration = 0
-        self.update_started = False
-        self.grad_sync_hook: Any = None
-        self.optimizer.register_step_pre_hook(self._updating)
+        model, optimizer, scheduler = _unpack(build(self.mesh))
+        _check(model, optimizer, self.mesh)
+        super().__init__(model, optimizer, scheduler, device, timeout)
         self.model.register_forward_hook(self._hook_backward_start)
 
     def _hook_backward_start(self, _module: Any, _inputs: Any, output: Any) -> None:
@@ -150,17 +143,6 @@ class FSDPTrainer:
         if self.grad_sync_hook is not None:
             self.grad_sync_hook()
 
-    def _updating(self, *_: Any) -> None:
-        self.update_started = True
-
-    @property
-    def device(self) -> str:
-        return self._device
-
-    @property
-    def timeout(self) -> timedelta | None:
-        return self._timeout
-
     @property
     def data_parallel_rank(self) -> int:
         """The rank within the shard group: which pieces this rank holds."""
@@ -173,10 +155,6 @@ class FSDPTrainer:
 
     def data_parallel_group(self) -> Any:
         return None
-
-    @property
-    def step_is_redoable(self) -> bool:
-        return not self.update_started
 
     def layout(self) -> dict[str, Any]:
         """The model's parameter names and *global* shapes, digested: the same under any shard
@@ -222,16 +200,13 @@ class FSDPTrainer:
                 tensors.update({k: v.to_local().reshape(-1) for k, v in per_element.items()})
                 pieces[name] = (*owned[name], tensors)
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-        state: dict[str, Any] = {
+        return {
             "iteration": self.iteration,
             "model": {},  # nothing replicated: every parameter is in the pieces
             "optimizer": {"param_groups": groups, "per_parameter": kept},
             SHARD_KEY: shard_state(self.data_parallel_rank, self.data_parallel_size, pieces),
-            "rng": {"torch": torch.get_rng_state()},
+            **self.replicated_state(),
         }
-        if self.scheduler is not None:
-            state["scheduler"] = self.scheduler.state_dict()
-        return state
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -271,19 +246,7 @@ class FSDPTrainer:
                     )
         for group, saved in zip(self.optimizer.param_groups, saved_groups, strict=True):
             group.update(saved)
-        if self.scheduler is not None and "scheduler" in state:
-            self.scheduler.load_state_dict(state["scheduler"])
-        if "rng" in state:
-            torch.set_rng_state(state["rng"]["torch"])
-        self.discard_step()
-        self.iteration = int(state["iteration"])
-
-    def discard_step(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-        self.update_started = False
-
-    def partial_step(self) -> None:
-        return None  # a plain loop's step is redone whole
+        self.load_replicated(state)
 
     def rebuild(self, timeout: timedelta | None = None) -> FSDPTrainer:
         """The model built again on a mesh over the current world (its state fresh: the
@@ -291,9 +254,6 @@ class FSDPTrainer:
         trainer = FSDPTrainer(self._build, self._device, timeout or self._timeout, self.training, self._shard_degree)
         trainer.grad_sync_hook = self.grad_sync_hook
         return trainer
-
-    def close(self) -> None:
-        pass
 
     def release(self) -> None:
         """Lets the old process groups close although the user's loop may still hold the model

@@ -42,46 +42,17 @@ import torch.distributed as dist
 
 from unicron.trainer import runtime
 from unicron.trainer.fsdp import FSDPTrainer
+from unicron.trainer.plain_trainer import PlainLoopTrainer
 from unicron.trainer.program import ProgramError, Training
 
 log = logging.getLogger("trainer")
 
 
-class TorchTrainer:
+class TorchTrainer(PlainLoopTrainer):
     """The registered state of a plain PyTorch program, as the runtime's state machinery
     (reform, peer transfer, snapshots, checkpoints) takes a trainer: one shard, every rank a
     data-parallel replica. The user's objects stay the user's: a reform keeps them and only
     the process group changes."""
-
-    tensor_parallel = 1
-    pipeline_parallel = 1
-    shard = (0, 0)
-
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        scheduler: Any,
-        device: str,
-        timeout: timedelta | None,
-    ) -> None:
-        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self._device, self._timeout = device, timeout
-        self.iteration = 0
-        self.update_started = False
-        self.grad_sync_hook: Any = None
-        optimizer.register_step_pre_hook(self._updating)
-
-    def _updating(self, *_: Any) -> None:
-        self.update_started = True
-
-    @property
-    def device(self) -> str:
-        return self._device
-
-    @property
-    def timeout(self) -> timedelta | None:
-        return self._timeout
 
     @property
     def data_parallel_rank(self) -> int:
@@ -94,10 +65,6 @@ class TorchTrainer:
     def data_parallel_group(self) -> Any:
         return None  # the default group: every rank holds the whole model
 
-    @property
-    def step_is_redoable(self) -> bool:
-        return not self.update_started
-
     def layout(self) -> dict[str, Any]:
         """The model's parameter names and shapes, digested: a checkpoint of another model is
         never loaded."""
@@ -106,39 +73,21 @@ class TorchTrainer:
         return {"model": {"parameters": digest}, "tensor_parallel": 1, "pipeline_parallel": 1}
 
     def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {
+        state = {
             "iteration": self.iteration,
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
-            "rng": {"torch": torch.get_rng_state()},
         }
-        if self.scheduler is not None:
-            state["scheduler"] = self.scheduler.state_dict()
-        return state
+        return {**state, **self.replicated_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"], strict=True)
         self.optimizer.load_state_dict(state["optimizer"])
-        if self.scheduler is not None and "scheduler" in state:
-            self.scheduler.load_state_dict(state["scheduler"])
-        if "rng" in state:
-            torch.set_rng_state(state["rng"]["torch"])
-        self.discard_step()
-        self.iteration = int(state["iteration"])
-
-    def discard_step(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-        self.update_started = False
-
-    def partial_step(self) -> None:
-        return None  # a plain loop's step is redone whole
+        self.load_replicated(state)
 
     def rebuild(self, timeout: timedelta | None = None) -> TorchTrainer:
         self._timeout = timeout or self._timeout
         return self
-
-    def close(self) -> None:
-        pass
 
     def release(self) -> None:
         pass  # the user's objects hold no process group: all_reduce_gradients uses the current one
