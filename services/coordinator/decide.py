@@ -389,10 +389,11 @@ def assignment_for(
 
 
 def _place_copies(assignment: common_pb2.Assignment, spec: common_pb2.JobSpec) -> None:
-    """Who keeps whose buddy copy under this placement (unicron/buddy_map.py), for a
-    distributed-optimizer job with replication 2 (its default)."""
+    """Who keeps whose buddy copy under this placement (unicron/buddy_map.py), for a job with
+    replication 2: said, or the default of a distributed-optimizer job. (An FSDP2 program's
+    default is 2 too, but nothing in the spec tells one: its map shows where it says 2.)"""
     training = spec.training
-    if not training.distributed_optimizer or training.replication == 1:
+    if training.replication == 1 or not (training.distributed_optimizer or training.replication >= 2):
         return
     nodes = [""] * assignment.world_size
     domains = [""] * assignment.world_size

@@ -4,7 +4,8 @@ ranks) over 20 iterations, in fp32 and in bf16 mixed precision.
 
 A remedy that keeps the layout ends bit-identical to the failure-free run, every parameter and
 both Adam moments: a reattempt (an injected collective failure at the start of backward, where
-FSDP's reduce-scatters run) and a restart of both ranks from the persistent checkpoint. A resize
+FSDP's reduce-scatters run), a restart of a rank from its buddy copy on another node, and a
+restart of both ranks from the persistent checkpoint. A resize
 moves each rank's shard by piece moves: a grow (1 -> 2 ranks, the new rank's half cut from the
 live rank's memory) and a shrink (2 -> 1, the leaving rank's half from its snapshot on the
 node) end within twice the distance between the failure-free runs at the two sizes, measured
@@ -210,6 +211,32 @@ def test_a_shrink_reshards_from_the_nodes_snapshots(references: dict[str, Any], 
     reports = [r for r in agent.of((1, 0), "iteration") if r.generation == 2 and r.state_source]
     assert reports[0].state_source == "snapshot", reports[0]
     assert_within(root, references, bound)
+
+
+def test_a_restart_takes_the_lost_shard_from_its_buddy(references: dict[str, Any], tmp_path: Path) -> None:
+    """The ranks on two nodes: rank 1 is killed in iteration 9 and its replacement starts on a
+    third. Rank 0 kept a buddy copy of rank 1's shard (of iteration 8, refreshed at the start
+    of 9): the new rank takes the replicated rest from rank 0 and its half of every parameter
+    and moment from that copy. No snapshot, no checkpoint read; the run ends bit-identical."""
+    want = references["get"](2)
+    port, new_port = free_port(), free_port()
+    agent = ReformAgent({(1, 0): 0}, generation=2, world_size=2, port=new_port, when=ReformAgent.any_error)
+    root = tmp_path / "ckpt"
+    crash = trainer_env(node="node-b", fault_injection=True, faults=("crash@9",))
+    stays = trainer_env(node="node-a")
+    try:
+        spec = references["spec"]()
+        old = [start_trainer(agent.address, spec, r, 2, port, tmp_path, 1, root, crash if r else stays) for r in (0, 1)]
+        assert old[1].wait().returncode != 0
+        joins = trainer_env(node="node-c", state_from_peer=True)
+        restarted = start_trainer(agent.address, spec, 1, 2, new_port, tmp_path, 2, root, joins)
+        for result in (old[0].wait(), restarted.wait()):
+            assert result.returncode == 0, result.log[-3000:]
+    finally:
+        agent.stop()
+    first = agent.of((2, 1), "iteration")[0]
+    assert (first.iteration, first.state_source, first.restored_iteration) == (9, "buddy", 8)
+    assert_exact(root, want)
 
 
 def test_a_dcp_checkpoint_is_torchs_own_and_resumes_at_another_size(references: dict[str, Any], tmp_path: Path) -> None:

@@ -109,3 +109,10 @@ def test_a_placement_without_copies_for_some_shards_says_so_in_its_reason() -> N
     )
     apart = decide.assignment_for(_spec(True), {"n1": 1, "n2": 1}, {**nodes, "n2": _node("n2", "")}, 1)
     assert _copies_lacking(apart) == ""
+
+
+def test_a_job_that_says_replication_2_gets_the_map_without_the_distributed_optimizer() -> None:
+    """An FSDP2 program keeps copies by default, but its spec cannot say it is one: said, 2 maps."""
+    nodes = {n.node_id: n for n in (_node("n1", ""), _node("n2", ""))}
+    assignment = decide.assignment_for(_spec(False, 2), {"n1": 1, "n2": 1}, nodes, 1)
+    assert list(assignment.copy_kept_by) == [1, 0]

@@ -2,8 +2,8 @@
 two processes: each rank's ranges of every parameter cover it exactly once; the state taken
 from one model and loaded into a model built again (a reform's rebuild) continues bit for bit;
 the two ranks' shards cut together give the whole parameters and Adam moments (what a shrink
-to one rank loads); and a build function that does not shard, or shards on another mesh, is
-refused in one line."""
+to one rank loads); a buddy copy is the peer's whole shard; and a build function that does
+not shard, or shards on another mesh, is refused in one line."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from unicron.redisutil import free_port
+from unicron.trainer.buddy import BuddyCopies
 from unicron.trainer.fsdp import FSDPTrainer
 from unicron.trainer.optimizer_shards import SHARD_KEY, cut
 from unicron.trainer.program import ProgramError
@@ -90,6 +91,7 @@ def _checks(rank: int, port: int, out: Any) -> None:
             for name, p in trainer.model.named_parameters()
         }
         cut_right = all(whole[n]["param"].equal(full[n][0]) and whole[n]["exp_avg"].equal(full[n][1]) for n in full)
+        copies = _buddy_copies(trainer, gathered[1 - rank])
         refusals = []
         for bad in (
             lambda mesh: build(mesh, shard=False),
@@ -99,9 +101,29 @@ def _checks(rank: int, port: int, out: Any) -> None:
                 FSDPTrainer(bad, "cpu", None)
             except ProgramError as exc:
                 refusals.append(str(exc))
-        out.put((rank, ranges, same, cut_right, refusals, again.scheduler.get_last_lr()))
+        out.put((rank, ranges, same, cut_right, refusals, again.scheduler.get_last_lr(), copies))
     finally:
         dist.destroy_process_group()
+
+
+def _buddy_copies(trainer: FSDPTrainer, peers: dict[str, Any]) -> tuple[bool, bool, bool]:
+    """With the ranks on two nodes: (the first copy, of a model not yet stepped, holds the
+    parameters only; the next, after Adam made its moments, is the peer's whole shard; under
+    HSDP there is nothing to copy)."""
+    buddies = BuddyCopies(f"node-{dist.get_rank()}")
+    buddies.refresh(trainer.rebuild())
+    assert buddies.copy is not None
+    params_only = {key for *_, keys in buddies.copy.layout for key, _, _ in keys} == {"param"}
+    buddies.refresh(trainer)  # the layout changed: learned again
+    assert buddies.copy is not None
+    copied = buddies.copy.shard()["pieces"]
+    whole = sorted(copied) == sorted(peers["pieces"]) and all(
+        tensor.equal(peers["pieces"][name]["tensors"][key])
+        for name, piece in copied.items()
+        for key, tensor in piece["tensors"].items()
+    )
+    hsdp = FSDPTrainer(build, "cpu", None, shard_degree=1)
+    return params_only, whole, hsdp.shard_to_copy() is None
 
 
 @pytest.fixture(scope="module")
@@ -149,3 +171,11 @@ def test_a_build_that_does_not_shard_or_uses_another_mesh_is_refused(results: di
     not_sharded, other_mesh = results[0][3]
     assert "is not sharded: call fully_shard" in not_sharded
     assert "sharded on another mesh" in other_mesh
+
+
+def test_a_buddy_copy_is_the_peers_whole_shard(results: dict[int, Any]) -> None:
+    for rank in (0, 1):
+        params_only, whole, none_under_hsdp = results[rank][5]
+        assert params_only, "before the first step a shard holds the parameters only"
+        assert whole, "the copy differs from the peer's shard"
+        assert none_under_hsdp, "under HSDP the other replica holds the shard: no copy"

@@ -3,7 +3,8 @@ memory of a data-parallel peer on another node or failure domain (docs/architect
 Sharded state).
 
 Under Megatron's distributed optimizer a rank's shard (its range of the fp32 main parameters
-and Adam's moments) is in no peer's memory: lose the rank and only a snapshot or the checkpoint
+and Adam's moments) is in no peer's memory, nor under FSDP2 its range of every parameter and
+moment (the trainer's ``shard_to_copy``): lose the rank and only a snapshot or the checkpoint
 has it. Here each rank of a slice's data-parallel group also keeps the shard of the peer
 ``shift`` places before it, where ``shift`` is the smallest that puts every rank's buddy in
 another failure domain where the job's nodes have domains that allow it, else on another node
@@ -167,14 +168,19 @@ class BuddyCopies:
     def refresh(self, trainer: Any) -> None:
         """Collective over ``trainer``'s data-parallel group: sends this rank's shard to its
         buddy and keeps the shard of the rank whose buddy it is."""
-        if not self.enabled or not trainer.training.distributed_optimizer or trainer.data_parallel_size < 2:
+        if not self.enabled or trainer.data_parallel_size < 2:
             return
-        from unicron.trainer import distributed_optimizer
-
         began = time.perf_counter()
+        own = trainer.shard_to_copy()
+        if own is None:
+            return
         size, rank = trainer.data_parallel_size, trainer.data_parallel_rank
-        own = distributed_optimizer.shard(trainer.optimizer, trainer.model, rank, size)
-        known = self._group or self._learn(trainer, layout_of(own))
+        # Learned again when the layout changed: an optimizer may make its state at its first
+        # step (torch's Adam does), which every rank of the group takes at once.
+        layout = layout_of(own)
+        known = self._group
+        if known is None or known.layouts[rank] != layout:
+            known = self._learn(trainer, layout)
         if not known.shift:
             return
         source = (rank - known.shift) % size

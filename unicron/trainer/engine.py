@@ -263,11 +263,16 @@ class MegatronTrainer:
             "scheduler": self.scheduler.state_dict(),
             "rng": rng_states(),
         }
-        if self.training.distributed_optimizer:
-            state[SHARD_KEY] = distributed_optimizer.shard(
-                self.optimizer, self.model, self.data_parallel_rank, self._dp
-            )
+        shard = self.shard_to_copy()
+        if shard is not None:
+            state[SHARD_KEY] = shard
         return state
+
+    def shard_to_copy(self) -> dict[str, Any] | None:
+        """This rank's distributed optimizer shard, as pieces; None under a replicated one."""
+        if not self.training.distributed_optimizer:
+            return None
+        return distributed_optimizer.shard(self.optimizer, self.model, self.data_parallel_rank, self._dp)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continues from ``state`` (as returned by ``state_dict()``, possibly under another DP

@@ -182,12 +182,17 @@ class FSDPTrainer(PlainLoopTrainer):
     def _per_element(self, param: Any, value: Any) -> bool:
         return hasattr(value, "to_local") and tuple(value.shape) == tuple(param.shape)
 
-    def state_dict(self) -> dict[str, Any]:
-        """References to the live tensors: the pieces (this rank's range of each parameter and
-        of its per-element optimizer state), and the replicated rest."""
+    @property
+    def replicas(self) -> int:
+        """HSDP's replica groups (1 under plain FSDP), each holding the whole state."""
+        return int(self.mesh.size(0)) if self.mesh.ndim == 2 else 1
+
+    def _shard_and_kept(self) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+        """This rank's shard (references to the live tensors: its range of each parameter and
+        of its per-element optimizer states) and, per parameter, its scalar optimizer state
+        (Adam's step) and the names of its per-element states, which a rank holding none of
+        its elements must still make."""
         pieces: dict[str, tuple[int, int, int, dict[str, torch.Tensor]]] = {}
-        # Per parameter: its scalar optimizer state (Adam's step) and the names of its
-        # per-element states, which a rank holding none of its elements must still make.
         kept: dict[str, dict[str, Any]] = {}
         owned = self.owned_ranges()
         for name, param in self._parameters():
@@ -199,12 +204,22 @@ class FSDPTrainer(PlainLoopTrainer):
                 tensors = {"param": param.to_local().detach().reshape(-1)}
                 tensors.update({k: v.to_local().reshape(-1) for k, v in per_element.items()})
                 pieces[name] = (*owned[name], tensors)
+        return shard_state(self.data_parallel_rank, self.data_parallel_size, pieces), kept
+
+    def shard_to_copy(self) -> dict[str, Any] | None:
+        """This rank's shard, for a buddy on another node to keep. None under HSDP: the same
+        shard rank of every other replica holds it already."""
+        return None if self.replicas > 1 else self._shard_and_kept()[0]
+
+    def state_dict(self) -> dict[str, Any]:
+        """References to the live tensors: the pieces, and the replicated rest."""
+        shard, kept = self._shard_and_kept()
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         return {
             "iteration": self.iteration,
             "model": {},  # nothing replicated: every parameter is in the pieces
             "optimizer": {"param_groups": groups, "per_parameter": kept},
-            SHARD_KEY: shard_state(self.data_parallel_rank, self.data_parallel_size, pieces),
+            SHARD_KEY: shard,
             **self.replicated_state(),
         }
 

@@ -48,6 +48,9 @@ class PlainLoopTrainer:
     def step_is_redoable(self) -> bool:
         return not self.update_started
 
+    def shard_to_copy(self) -> dict[str, Any] | None:
+        return None  # every rank a whole replica: any peer has what a lost rank had
+
     def replicated_state(self) -> dict[str, Any]:
         """The part every rank holds alike: the iteration, the RNG state, the LR schedule."""
         state: dict[str, Any] = {"iteration": self.iteration, "rng": {"torch": torch.get_rng_state()}}

@@ -53,7 +53,7 @@ class Training:
     Session). initial_checkpoint: a Megatron-LM checkpoint to
     start from (initial_checkpoint_weights_only: its weights only). replication: 2 keeps a
     buddy copy of each rank's optimizer shard on a peer of another node, 1 none (0: 2 under
-    the distributed optimizer, else 1)."""
+    the distributed optimizer or an FSDP2 model, else 1)."""
 
     iterations: int = 100
     global_batch_size: int = 8

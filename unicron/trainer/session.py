@@ -31,6 +31,7 @@ import gc
 import hashlib
 import json
 import logging
+import socket
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -40,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from unicron.trainer import runtime
+from unicron.trainer import buddy, runtime
 from unicron.trainer.fsdp import FSDPTrainer
 from unicron.trainer.plain_trainer import PlainLoopTrainer
 from unicron.trainer.program import ProgramError, Training
@@ -223,6 +224,13 @@ class Session:
                 raise ProgramError(f"register(build=...) takes a function of the mesh, got {type(build).__name__}")
             trainer = FSDPTrainer(build, self._device, timeout, self.training, shard_degree)
             trainer.grad_sync_hook = self._in_sharded_grad_sync
+            # Each rank's shard is in no peer's memory (under HSDP, shard_to_copy says, the
+            # other replicas hold it): a buddy on another node keeps a copy unless told not to.
+            self._run.buddies = buddy.BuddyCopies(
+                config.node or config.agent or socket.gethostname(),
+                enabled=(self.training.replication or 2) > 1,
+                domain=config.domain,
+            )
         else:
             if self.training.checkpoint_format == "dcp" or self.training.initial_checkpoint:
                 raise ProgramError(
@@ -345,13 +353,20 @@ class Session:
         # reference cycle (it is freed when destroyed), so freezing it too keeps nothing alive.
         gc.collect()
         gc.freeze()
+        # The buddy copies are refreshed at each group's first step and after each iteration.
+        copy_due = True
         while run.iteration < self.training.iterations and not run.stop.is_set():
             reform = runtime.poll_reform(run)
             if reform is not None:  # at a boundary: nothing in flight
                 self._trainer = loop.apply_reform(run, self._trainer, reform, keep_state=True)
+                self._regroup()
+                copy_due = True
                 continue
+            if copy_due and not self._copied():
+                continue  # a peer was lost during the copy: the group reformed
             step = Step(self, run.iteration + 1)
             yield step
+            copy_due = step.redo or step.iteration < self.training.iterations
             if step.redo:
                 continue
             self._trainer.iteration = run.iteration = step.iteration
@@ -368,6 +383,26 @@ class Session:
         if run.stop.is_set() and run.iteration < self.training.iterations:
             raise SystemExit(runtime.EXIT_STOPPED)
         runtime.finish(run)
+
+    def _copied(self) -> bool:
+        """Refreshes the buddy copies (collective, at a step's start); False when a peer was
+        lost doing so and the group reformed, True when done. Raises what ends the rank."""
+        if self._run.buddies is None:
+            return True
+        try:
+            self._run.buddies.refresh(self._trainer)
+        except Exception as exc:
+            runtime.release_frames(exc)
+            if self._recover(exc):
+                return False
+            raise
+        return True
+
+    def _regroup(self) -> None:
+        """After a reform: the buddy copies learn the new group at their next refresh (the
+        copy held stays: a later reform may need it)."""
+        if self._run.buddies is not None:
+            self._run.buddies.regroup()
 
     def _failed(self, step: Step, exc: BaseException) -> bool:
         """What ``with step`` does with an error: True when the step is to be redone (after a
@@ -403,6 +438,7 @@ class Session:
         self._trainer = loop.apply_reform(
             run, trainer, run.pending_reform, keep_state=redoable, parked=parked[0] if parked else None
         )
+        self._regroup()
         return True
 
 
