@@ -391,8 +391,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--model",
         default="gpt",
-        help="gpt (the tiny GPT, default), digits:WIDTH (the MLP; 1024 is 1.1M parameters) or llm:LAYERS:HIDDEN"
-        " (the GPT in bf16 with the distributed optimizer and dropout; llm:4:448 is 10M parameters)",
+        help="gpt (the tiny GPT, default), digits:WIDTH (the MLP; 1024 is 1.1M parameters), llm:LAYERS:HIDDEN"
+        " (the GPT in bf16 with the distributed optimizer and dropout; llm:4:448 is 10M parameters) or"
+        " llama:SIZE (the FSDP2 example in bf16: tiny, 10m, 100m)",
     )
     parser.add_argument("--no-baseline", action="store_true", help="skip the baseline (development only)")
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"JSON results (default {RESULTS})")

@@ -123,6 +123,36 @@ def digits_mlp(
     )
 
 
+def llama_fsdp(
+    name: str, size: str = "tiny", data: int = 2, iterations: int = 100_000, precision: str = "fp32", seed: int = 3
+) -> common_pb2.JobSpec:
+    """The FSDP2 example (examples/llama_fsdp): a Llama-style decoder sharded with
+    ``fully_shard`` under Session, 1.07M parameters at ``tiny``, about 10M at ``10m`` and 100M
+    at ``100m``, on the GPT example's text with 32-token samples. Its shards get buddy copies
+    (replication 2, said so that the coordinator maps them)."""
+    return jobspec.normalized(
+        jobspec.spec_from_dict(
+            {
+                "name": name,
+                "program": {
+                    "entry_point": "examples.llama_fsdp.train:main",
+                    "args": ["--size", size, "--seq-length", "32"],
+                },
+                "parallelism": {"data": data},
+                "training": {
+                    "iterations": iterations,
+                    "global_batch_size": 8,
+                    "micro_batch_size": 1,
+                    "seed": seed,
+                    "learning_rate": 3e-3,
+                    "precision": precision,
+                    "replication": 2,
+                },
+            }
+        )
+    )
+
+
 @dataclass
 class Service:
     name: str
