@@ -21,7 +21,7 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,8 @@ RESULTS = ROOT / "bench" / "results" / "sizes.json"
 PLOT = RESULTS.with_suffix(".png")
 # Each width's own bench.transition report (--reuse reads them back).
 RUNS = RESULTS.parent / "sizes"
+# The FSDP2 example's rows (--model llama), apart from the fit's.
+LLAMA_RESULTS = RESULTS.with_name("sizes-llama.json")
 FIT_FILE = ROOT / "unicron_sim" / "data" / "transition_fit.json"
 # 64*h + h*h + 10*h weights plus 2h + 10 biases: 1.1M, 10.1M and 100.8M parameters.
 WIDTHS = (1024, 3150, 10000)
@@ -58,6 +60,41 @@ def parameters(width: int) -> int:
 
 def state_bytes(width: int) -> int:
     return parameters(width) * BYTES_PER_PARAMETER
+
+
+@dataclass(frozen=True)
+class Family:
+    """The models one run measures: their sizes, bench.transition's --model for each, and the
+    state a rank holds at each."""
+
+    name: str
+    sizes: tuple[str, ...]
+    quick: tuple[str, ...]
+    title: str
+
+    def model(self, size: str) -> str:
+        return f"{self.name}:{size}"
+
+    def parameters(self, size: str) -> int:
+        if self.name == "digits":
+            return parameters(int(size))
+        from examples.llama_fsdp.model import SIZES
+        from examples.llama_fsdp.model import parameters as llama_parameters
+
+        # The tokenizer's 1024-token vocabulary and 32-token samples (localcluster.llama_fsdp).
+        return llama_parameters(replace(SIZES[size], vocab_size=1024, max_seq_len=32))
+
+    def state_bytes(self, size: str) -> int:
+        """Per rank: the MLP is replicated; FSDP2 shards the Llama over the job's 2 ranks (its
+        fp32 parameters and Adam's moments: bf16 is FSDP's compute dtype only)."""
+        whole = self.parameters(size) * BYTES_PER_PARAMETER
+        return whole if self.name == "digits" else whole // 2
+
+
+FAMILIES = {
+    "digits": Family("digits", tuple(map(str, WIDTHS)), tuple(map(str, WIDTHS[:2])), "examples/digits, replicated"),
+    "llama": Family("llama", ("10m", "100m"), ("10m",), "examples/llama_fsdp, FSDP2 in bf16"),
+}
 
 
 @dataclass(frozen=True)
@@ -117,15 +154,16 @@ def points_of(rows: list[dict[str, Any]]) -> dict[str, list[tuple[float, float]]
     return out
 
 
-def rows_of(width: int, report: dict[str, Any]) -> list[dict[str, Any]]:
-    """bench.transition's rows of one width, with the size added and the bulky lists kept."""
+def rows_of(width: int | str, report: dict[str, Any], family: Family = FAMILIES["digits"]) -> list[dict[str, Any]]:
+    """bench.transition's rows of one size (the MLP's width, the Llama's preset), with the
+    size added and the bulky lists kept."""
     rows = []
     for row in report.get("actions", []):
         rows.append(
             {
                 "width": width,
-                "parameters": parameters(width),
-                "state_bytes": state_bytes(width),
+                "parameters": family.parameters(str(width)),
+                "state_bytes": family.state_bytes(str(width)),
                 **{k: row.get(k) for k in _KEPT},
                 "samples": [{k: s.get(k) for k in _SAMPLE_KEPT} for s in row.get("samples", [])],
                 "baseline_samples": [
@@ -177,7 +215,8 @@ def checks(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     most a remedy costing nothing would show (its ceiling), and where that is under 10x it is
     `bound` (met None) instead of failed, if the reattempt comes near it."""
     out = []
-    for width in sorted({r["width"] for r in rows}):
+    sizes = {r["width"]: r["state_bytes"] for r in rows}
+    for width in sorted(sizes, key=sizes.__getitem__):
         by = {r["action"]: r for r in rows if r["width"] == width}
         reattempt, restart = by.get("reattempt", {}), by.get("restart", {})
         r_p50, s_p50 = reattempt.get("p50_s"), restart.get("p50_s")
@@ -216,7 +255,7 @@ def checks(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _check(
-    width: int, check: str, value: float, limit: float, margin: float | None, passed: bool, *rows: dict[str, Any]
+    width: int | str, check: str, value: float, limit: float, margin: float | None, passed: bool, *rows: dict[str, Any]
 ) -> dict[str, Any]:
     """One verdict; not met when any of `rows` has a failed sample, whatever the value."""
     failed = _failed(*rows)
@@ -287,7 +326,7 @@ def _num(value: Any) -> str:
     return "-" if value is None else f"{value:g}"
 
 
-def plot(points: dict[str, list[tuple[float, float]]], lines: dict[str, Line], path: Path) -> None:
+def plot(points: dict[str, list[tuple[float, float]]], lines: dict[str, Line], path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -303,7 +342,7 @@ def plot(points: dict[str, list[tuple[float, float]]], lines: dict[str, Line], p
             ax.plot([0, top / 1e9], [line.at(0), line.at(top)], "-", color=dots.get_color())
     ax.set_xlabel("state per rank (GB: fp32 parameters and Adam's moments)")
     ax.set_ylabel("seconds from detection to training again")
-    ax.set_title("Transition cost against state size (examples/digits, 2 ranks, CPU, gloo)")
+    ax.set_title(f"Transition cost against state size ({title}, 2 ranks, CPU, gloo)")
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -312,11 +351,11 @@ def plot(points: dict[str, list[tuple[float, float]]], lines: dict[str, Line], p
     plt.close(fig)
 
 
-def run_width(width: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    """One width's bench.transition, in its own process; its report (an `aborted` one when it
+def run_width(width: str, args: argparse.Namespace, work: Path, family: Family) -> dict[str, Any]:
+    """One size's bench.transition, in its own process; its report (an `aborted` one when it
     broke, so the row says why instead of going missing). Kept in `work`: with --reuse, a
-    width whose report is there is read, not run again."""
-    out = work / f"transition-{width}.json"
+    size whose report is there is read, not run again."""
+    out = work / (f"transition-{width}.json" if family.name == "digits" else f"transition-{family.name}-{width}.json")
     if args.reuse and out.exists():
         log(f"width {width}: reusing {out}")
         reused = json.loads(out.read_text())
@@ -327,7 +366,7 @@ def run_width(width: int, args: argparse.Namespace, work: Path) -> dict[str, Any
         "-m",
         "bench.transition",
         "--model",
-        f"digits:{width}",
+        family.model(width),
         "--actions",
         args.actions,
         "--repeats",
@@ -341,7 +380,7 @@ def run_width(width: int, args: argparse.Namespace, work: Path) -> dict[str, Any
         "--out",
         str(out),
     ]
-    log(f"width {width} ({parameters(width) / 1e6:.1f}M parameters): {' '.join(argv[2:])}")
+    log(f"{family.model(width)} ({family.parameters(width) / 1e6:.1f}M parameters): {' '.join(argv[2:])}")
     done = subprocess.run(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=None, text=True, check=False)
     if done.returncode != 0 or not out.exists():
         return {"actions": [], "error": f"bench.transition exited {done.returncode} without results"}
@@ -352,37 +391,54 @@ def run_width(width: int, args: argparse.Namespace, work: Path) -> dict[str, Any
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.sizes", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="widths 1024 and 3150, one repeat")
-    parser.add_argument("--widths", default=None, help=f"MLP widths (default {','.join(map(str, WIDTHS))})")
+    parser.add_argument(
+        "--model",
+        choices=sorted(FAMILIES),
+        default="digits",
+        help="digits (the plain PyTorch MLP, replicated; default) or llama (the FSDP2 example, sharded, bf16)",
+    )
+    parser.add_argument("--quick", action="store_true", help="the two smaller sizes (llama: 10m), one repeat")
+    parser.add_argument(
+        "--widths",
+        default=None,
+        help=f"sizes: MLP widths (default {','.join(map(str, WIDTHS))}) or llama presets (default 10m,100m)",
+    )
     parser.add_argument("--repeats", type=int, default=None, help="samples per action and width (default 2)")
     parser.add_argument("--actions", default=",".join(ACTIONS), help="bench.transition's actions")
     parser.add_argument("--seed", type=int, default=0, help="seed of the drawn failure iterations")
-    parser.add_argument("--out", type=Path, default=RESULTS, help=f"JSON results (default {RESULTS})")
+    parser.add_argument(
+        "--out", type=Path, default=None, help=f"JSON results (default {RESULTS}; llama: {LLAMA_RESULTS})"
+    )
     parser.add_argument(
         "--reuse", action="store_true", help=f"read the widths already measured in {RUNS} instead of running them"
     )
-    parser.add_argument("--no-fit-file", action="store_true", help=f"do not write {FIT_FILE.name}")
+    parser.add_argument(
+        "--no-fit-file", action="store_true", help=f"do not write {FIT_FILE.name} (never written for llama)"
+    )
     args = parser.parse_args(argv)
-    widths = [int(w) for w in args.widths.split(",")] if args.widths else list(WIDTHS[:2] if args.quick else WIDTHS)
+    family = FAMILIES[args.model]
+    args.out = args.out or (RESULTS if family.name == "digits" else LLAMA_RESULTS)
+    widths = args.widths.split(",") if args.widths else list(family.quick if args.quick else family.sizes)
     args.repeats = args.repeats if args.repeats is not None else (1 if args.quick else 2)
     began = time.monotonic()
     rows: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
     RUNS.mkdir(parents=True, exist_ok=True)
     for width in widths:
-        report = run_width(width, args, RUNS)
+        report = run_width(width, args, RUNS, family)
         if report.get("error") or report.get("environment", {}).get("aborted"):
             reason = report.get("error") or report["environment"]["aborted"]
             skipped.append({"width": width, "reason": reason})
             log(f"width {width}: {reason}")
-        rows.extend(rows_of(width, report))
+        rows.extend(rows_of(int(width) if family.name == "digits" else width, report, family))
     points = points_of(rows)
     lines = {name: line for name, pts in points.items() if (line := fit(pts)) is not None}
     verdicts = checks(rows)
     for v in verdicts:
-        v["parameters_label"] = f"{parameters(v['width']) / 1e6:.0f}M"
+        v["parameters_label"] = f"{family.parameters(str(v['width'])) / 1e6:.0f}M"
     measured = time.strftime("%Y-%m-%d")
     result = {
+        "model": family.name,
         "widths": widths,
         "repeats": args.repeats,
         "bytes_per_parameter": BYTES_PER_PARAMETER,
@@ -396,8 +452,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     write_results(args.out, result)
     if points:
-        plot(points, lines, args.out.with_suffix(".png"))
-    if not args.no_fit_file and lines:
+        plot(points, lines, args.out.with_suffix(".png"), family.title)
+    # The simulator's lines are the replicated MLP's: a sharded model's are reported only.
+    if not args.no_fit_file and lines and family.name == "digits":
         write_results(FIT_FILE, fit_file(lines, measured))
     print(format_table(rows, lines, verdicts))
     print(f"\nwrote {args.out} and {args.out.with_suffix('.png')} ({result['environment']['wall_s']:.0f} s)")

@@ -111,3 +111,17 @@ def test_the_fit_file_names_the_simulators_actions() -> None:
     data = sizes.fit_file(lines, "2026-12-02")
     assert set(data["actions"]) == {"reattempt", "checkpoint_restart"}
     assert data["actions"]["checkpoint_restart"]["fixed_s"] == 3.0
+
+
+def test_the_llama_rows_count_the_fsdp_example_and_a_ranks_half_of_its_state() -> None:
+    torch = pytest.importorskip("torch")
+    from dataclasses import replace
+
+    from examples.llama_fsdp.model import SIZES, Llama
+
+    llama = sizes.FAMILIES["llama"]
+    with torch.device("meta"):
+        model = Llama(replace(SIZES["10m"], vocab_size=1024, max_seq_len=32))
+    assert llama.parameters("10m") == sum(p.numel() for p in model.parameters())
+    assert llama.state_bytes("10m") == llama.parameters("10m") * sizes.BYTES_PER_PARAMETER // 2
+    assert llama.model("100m") == "llama:100m"
