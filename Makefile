@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 GEN_STAMP := unicron/v1/.generated
 PROTOS := $(wildcard proto/unicron/v1/*.proto)
 
-.PHONY: all venv gen redis compose-v1 demo certs test test-e2e test-unit test-cluster lint fmt clean bench-planner bench-detect bench-transition bench-sizes bench-buddy bench-sources bench-sim bench-load bench-load-steps bench-peers peers-venv compose-test gpu-image-test deploy-lock
+.PHONY: all venv gen redis compose-v1 demo certs test test-e2e test-unit test-cluster lint fmt clean bench-planner bench-detect bench-transition bench-sizes bench-sizes-fsdp bench-buddy bench-sources bench-sim bench-load bench-load-steps bench-peers bench-peers-fsdp peers-venv compose-test gpu-image-test deploy-lock
 
 all: test
 
@@ -81,6 +81,11 @@ bench-transition: gen redis
 bench-sizes: gen redis
 	$(PY) -m bench.sizes
 
+# The same against the FSDP2 example's size (about 10M and 100M parameters, bf16, sharded):
+# bench/results/sizes-llama.json, never the simulator's fit.
+bench-sizes-fsdp: gen redis
+	$(PY) -m bench.sizes --model llama
+
 # What buddy copies of optimizer shards cost: memory, time per iteration, bytes per second.
 bench-buddy: gen
 	$(PY) -m bench.buddy
@@ -118,6 +123,12 @@ peers-venv: $(PEERS_STAMP)
 bench-peers: gen redis
 	@$(MAKE) --no-print-directory peers-venv || echo "bench-peers: the torchft venv could not be built; torchft is skipped"
 	$(PY) -m bench.peers
+
+# The same with the MLP sharded with FSDP2 by every peer (torchft: HSDP across its replica
+# groups): bench/results/peers-fsdp.json.
+bench-peers-fsdp: gen redis
+	@$(MAKE) --no-print-directory peers-venv || echo "bench-peers: the torchft venv could not be built; torchft is skipped"
+	$(PY) -m bench.peers --fsdp
 
 # The stack of deploy/compose.yaml as containers on this machine, a job healed in it, all
 # torn down after (scripts/compose_test.py). Needs root; not part of `make test`.

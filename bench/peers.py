@@ -52,6 +52,7 @@ from unicron.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results" / "peers.json"
+FSDP_RESULTS = RESULTS.with_name("peers-fsdp.json")
 PEERS_VENV = ROOT / ".cache" / "bench-peers-venv"
 PEERS = ["torchrun", "torchft", "unicron"]
 UNICRON_ACTIONS = ["reattempt", "restart", "resize"]
@@ -421,6 +422,8 @@ class Settings:
     # torchft's own DDP gradient hook, which crashes a live group whose all-reduce fails
     # (bench/peers_torchft.py); off: the fixed hook, so that the heal can be measured.
     torchft_stock_ddp: bool = False
+    # The MLP sharded with FSDP2 by every peer (torchft: HSDP across its replica groups).
+    fsdp: bool = False
     seed: int = 0
     timeout_s: float = RUN_TIMEOUT_S
 
@@ -491,10 +494,31 @@ def _end(output: Output, timeout_s: float) -> int:
 
 
 def _load_params(path: Path) -> dict[str, Any]:
+    """A final model's whole tensors, flattened: torchft's saved parameters, or the digits
+    example's checkpoint (``iter_N/tp0_pp0.pt``: its model; sharded with FSDP2, the model is
+    cut from every rank's shard beside it)."""
     import torch
 
     state = torch.load(path, map_location="cpu", weights_only=True)
-    return dict(state["model"] if "model" in state else state)
+    model = dict(state["model"] if "model" in state else state)
+    if not model and "model" in state:
+        model = _sharded_params(path.parents[1])
+    return {name: tensor.reshape(-1) for name, tensor in model.items()}
+
+
+def _sharded_params(root: Path) -> dict[str, Any]:
+    """The newest checkpoint's parameters under ``root``, cut whole from every rank's shard."""
+    from unicron.trainer import checkpoint
+    from unicron.trainer.optimizer_shards import cut, shards_of
+
+    (iteration, *_) = checkpoint.list_complete(root)
+    layout = checkpoint.layout_of_config(checkpoint.read_manifest(root, iteration)["layout"]["model"], 1, 1)
+    found = checkpoint.find_latest(root, layout)
+    if found is None:
+        raise RuntimeError(f"no usable checkpoint under {root}")
+    shards = shards_of(found[1])
+    numels = {name: piece["numel"] for shard in shards for name, piece in shard["pieces"].items()}
+    return {name: t["param"] for name, t in cut(shards, {n: (k, 0, k) for n, k in numels.items()}).items()}
 
 
 class TorchrunSide:
@@ -514,6 +538,8 @@ class TorchrunSide:
             "-m", "bench.peers_torchrun", "--iterations", str(self.settings.iterations),
             "--hidden", str(self.settings.hidden), "--checkpoint-dir", str(checkpoints),
         ]  # fmt: skip
+        if self.settings.fsdp:
+            argv.append("--fsdp")
         output = _spawn(argv, self.work / name / "torchrun.log")
         killed: float | None = None
         if kill_after is not None:
@@ -616,6 +642,8 @@ class TorchftSide:
         ]  # fmt: skip
         if self.settings.torchft_stock_ddp:
             argv.append("--stock-ddp")
+        if self.settings.fsdp:
+            argv.append("--fsdp")
         return _spawn(argv, directory / f"group{group}-{incarnation}.log")
 
     def _run(
@@ -726,7 +754,8 @@ def run_unicron(run_dir: Path, settings: Settings, step_range: tuple[int, int], 
     installs its own signal handlers), without its baseline: torchrun is this bench's baseline."""
     out = run_dir / "transition.json"
     argv = [
-        sys.executable, "-m", "bench.transition", "--model", f"digits:{settings.hidden}",
+        sys.executable, "-m", "bench.transition", "--model",
+        f"{'digits-fsdp' if settings.fsdp else 'digits'}:{settings.hidden}",
         "--actions", ",".join(UNICRON_ACTIONS), "--repeats", str(settings.repeats),
         "--checkpoint-interval", str(CHECKPOINT_INTERVAL), "--steps", f"{step_range[0]}-{step_range[1]}",
         "--seed", str(settings.seed), "--no-baseline", "--out", str(out),
@@ -799,11 +828,17 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="torchft 0.2.0's own DDP gradient hook (a failed all-reduce crashes the live group too)",
     )
+    parser.add_argument(
+        "--fsdp",
+        action="store_true",
+        help=f"every peer shards the MLP with FSDP2 (torchft: HSDP over its groups); results default to {FSDP_RESULTS}",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the drawn failure iterations")
     parser.add_argument("--venv", type=Path, default=PEERS_VENV, help="the torchft venv")
-    parser.add_argument("--out", type=Path, default=RESULTS, help=f"JSON results (default {RESULTS})")
+    parser.add_argument("--out", type=Path, default=None, help=f"JSON results (default {RESULTS})")
     parser.add_argument("--keep-logs", action="store_true", help="keep the run directory")
     args = parser.parse_args(argv)
+    args.out = args.out or (FSDP_RESULTS if args.fsdp else RESULTS)
     peers = [p for p in args.peers.split(",") if p]
     if set(peers) - set(PEERS):
         parser.error(f"unknown peers: {', '.join(sorted(set(peers) - set(PEERS)))}")
@@ -823,6 +858,7 @@ def main(argv: list[str] | None = None) -> int:
         iterations=args.iterations,
         torchft_iterations=args.torchft_iterations,
         torchft_stock_ddp=args.torchft_stock_ddp,
+        fsdp=args.fsdp,
         seed=args.seed,
     )
     run_dir = Path(tempfile.mkdtemp(prefix="bench-peers-"))

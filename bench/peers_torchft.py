@@ -18,6 +18,10 @@ the quorum's participants; the optimizer and LR scheduler step only when
 `Manager.should_commit()` says so. A group that restarts joins the quorum at step 0 and heals
 from a live peer (model, optimizer, scheduler, step) through torchft's checkpoint transport.
 
+With ``--fsdp`` the MLP is sharded with FSDP2 inside the group and the groups are HSDP's
+replicas (``shard_over_groups``): what a team training a sharded model under torchft runs. A
+group restarted heals its shards from the live group's the same way.
+
 Stdout: one JSON object per line (`event`: start, step, done), timed with time.time(), which
 the bench parses; torchft's own logs go to stderr.
 """
@@ -100,7 +104,40 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--stock-ddp", action="store_true", help="torchft's own DDP gradient hook (crashes on a failed all-reduce)"
     )
+    parser.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="HSDP: the MLP sharded with FSDP2 inside the group, torchft's managed all-reduce across the groups",
+    )
     return parser.parse_args(argv)
+
+
+def shard_over_groups(model: torch.nn.Module, manager: Any, store: Any) -> None:
+    """HSDP as torchft 0.2.0 builds it (its fsdp_test.py; torchtitan's ft manager): FSDP2
+    shards ``model`` over the group's own ranks (here one: the group is one process), and a
+    managed process group all-reduces each reduce-scattered gradient across the replica
+    groups in FSDP's all-reduce hook, averaged over the quorum's participants. A failed
+    all-reduce is kept by the manager (``should_commit`` then says no), not raised."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torchft.process_group import ManagedProcessGroup
+
+    dist.init_process_group("gloo", store=dist.PrefixStore("shard", store), rank=0, world_size=1)
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp_shard",))
+    for layer in model.modules():
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    replicate = ManagedProcessGroup(manager)
+    replicate.register("dp_replicate")
+
+    def across_groups(gradient: torch.Tensor) -> None:
+        dist.all_reduce(gradient, group=replicate, op=dist.ReduceOp.AVG)
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_all_reduce_hook(across_groups)
 
 
 def emit(event: str, **fields: Any) -> None:
@@ -183,9 +220,13 @@ def main(argv: list[str] | None = None) -> None:
         init_sync=False,
     )
     managed = time.time()
-    ddp = (DistributedDataParallel if args.stock_ddp else _tolerant_ddp(DistributedDataParallel, args.group))(
-        manager, model
-    )
+    if args.fsdp:
+        shard_over_groups(model, manager, store)
+        ddp = model
+    else:
+        ddp = (DistributedDataParallel if args.stock_ddp else _tolerant_ddp(DistributedDataParallel, args.group))(
+            manager, model
+        )
     optimizer = Optimizer(manager, inner)
     wrapped = time.time()
     data = Digits(args.seed)
@@ -226,7 +267,9 @@ def main(argv: list[str] | None = None) -> None:
     with torch.no_grad():
         eval_loss = float(F.cross_entropy(model(data.images), data.labels).item())
     if args.out_params:
-        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, args.out_params)
+        # Under FSDP2 the whole tensors (over a one-rank mesh, no peer is needed).
+        whole = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+        torch.save({k: v.detach().clone() for k, v in whole.items()}, args.out_params)
     emit("done", group=args.group, step=manager.current_step(), eval_loss=round(eval_loss, 6))
     manager.shutdown(wait=False)
     sys.stdout.flush()

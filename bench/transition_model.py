@@ -520,21 +520,24 @@ def bench_spec(name: str, checkpoint_interval: int, data: int = DATA_PARALLEL, m
     """The job every sample runs, data-parallel 2, allowed to shrink to 1, with a measured-looking
     throughput profile (so the planner sizes it like a real job) and the given checkpoint interval.
     `model`: "gpt" (the e2e tests' tiny GPT), "digits:WIDTH" (the plain PyTorch MLP, whose
-    width sets its size: the same program the peers run), "llm:LAYERS:HIDDEN" (the GPT in
+    width sets its size: the same program the peers run; "digits-fsdp:WIDTH" sharded with
+    FSDP2), "llm:LAYERS:HIDDEN" (the GPT in
     bf16 with Megatron's distributed optimizer and dropout, as LLM teams train) or
     "llama:SIZE" (the FSDP2 example under Session in bf16 mixed precision: tiny, 10m, 100m)."""
     kind, _, width = model.partition(":")
     if kind == "gpt":
         spec = tiny_gpt(name, data=data)
-    elif kind == "digits":
-        spec = digits_mlp(name, data=data, hidden=int(width or 1024))
+    elif kind in ("digits", "digits-fsdp"):
+        spec = digits_mlp(name, data=data, hidden=int(width or 1024), fsdp=kind == "digits-fsdp")
     elif kind == "llm":
         layers, _, hidden = width.partition(":")
         spec = llm_gpt(name, int(layers or 4), int(hidden or 448), data=data)
     elif kind == "llama":
         spec = llama_fsdp(name, width or "tiny", data=data, precision="bf16")
     else:
-        raise ValueError(f"unknown model {model!r}: gpt, digits:WIDTH, llm:LAYERS:HIDDEN or llama:SIZE")
+        raise ValueError(
+            f"unknown model {model!r}: gpt, digits:WIDTH, digits-fsdp:WIDTH, llm:LAYERS:HIDDEN or llama:SIZE"
+        )
     spec.parallelism.min_data = 1
     spec.throughput[1] = 1.0e9
     if data >= 2:

@@ -106,16 +106,20 @@ def llm_gpt(name: str, layers: int, hidden: int, data: int = 2, iterations: int 
 
 
 def digits_mlp(
-    name: str, data: int = 2, hidden: int = 1024, iterations: int = 100_000, seed: int = 3
+    name: str, data: int = 2, hidden: int = 1024, iterations: int = 100_000, seed: int = 3, fsdp: bool = False
 ) -> common_pb2.JobSpec:
     """The plain PyTorch example (examples/digits): an MLP whose width sets its size, about
     1.1M parameters at 1024, 10M at 3,150 and 100M at 10,000 (64*h + h*h + 10*h weights). The
-    same program runs under torchrun and beside torchft, so benches compare like with like."""
+    same program runs under torchrun and beside torchft, so benches compare like with like.
+    ``fsdp``: sharded with FSDP2 over the ranks instead of replicated."""
     return jobspec.normalized(
         jobspec.spec_from_dict(
             {
                 "name": name,
-                "program": {"entry_point": "examples.digits.train:main", "args": ["--hidden", str(hidden)]},
+                "program": {
+                    "entry_point": "examples.digits.train:main",
+                    "args": ["--hidden", str(hidden), *(["--fsdp"] if fsdp else [])],
+                },
                 "parallelism": {"data": data},
                 "training": {"iterations": iterations, "global_batch_size": 64, "micro_batch_size": 1, "seed": seed},
             }

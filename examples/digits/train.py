@@ -4,16 +4,21 @@ Session. Under Unicron the job spec names it (``program.entry_point:
 examples.digits.train:main``); without Unicron::
 
     torchrun --nproc-per-node 2 -m examples.digits.train --iterations 40
+
+``--fsdp`` shards the same MLP with FSDP2 instead (``Session.register(build=...)``): what
+``make bench-peers --fsdp`` runs beside torchft's HSDP.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.distributed.fsdp import fully_shard
 
 from unicron.trainer import Session, Training
 
@@ -26,6 +31,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=1e-3, help="without Unicron: peak learning rate (default 1e-3)")
     parser.add_argument("--seed", type=int, default=1234, help="without Unicron: seed (default 1234)")
     parser.add_argument("--checkpoint-dir", default="", help="without Unicron: checkpoints here (default none)")
+    parser.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="shard the MLP with FSDP2 (fully_shard per layer) over the ranks instead of replicating it (default off)",
+    )
     return parser.parse_args(argv)
 
 
@@ -81,21 +91,36 @@ def main(argv: list[str] | None = None) -> None:
         checkpoint_dir=args.checkpoint_dir,
     )
     training = session.training
-    torch.manual_seed(training.seed)
-    model = build_model(args.hidden)
-    optimizer = torch.optim.Adam(model.parameters(), lr=training.learning_rate)
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=training.iterations)
-    session.register(model=model, optimizer=optimizer, scheduler=scheduler)
+
+    def build(mesh: Any = None) -> tuple[Any, ...]:
+        torch.manual_seed(training.seed)
+        model = build_model(args.hidden)
+        if mesh is not None:  # FSDP2: each layer, then the root, sharded over the mesh
+            for layer in model.modules():
+                if isinstance(layer, torch.nn.Linear):
+                    fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        optimizer = torch.optim.Adam(model.parameters(), lr=training.learning_rate)
+        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=training.iterations)
+        return model, optimizer, scheduler
+
+    if args.fsdp:
+        session.register(build=build)  # built again on the new mesh after every reform
+    else:
+        model, optimizer, scheduler = build()
+        session.register(model=model, optimizer=optimizer, scheduler=scheduler)
     data = Digits(training.seed)
     for step in session.steps():
         with step:
+            model, optimizer = session.model, session.optimizer
             images, labels = data.batch(step.samples())
             optimizer.zero_grad()
             loss = F.cross_entropy(model(images), labels)
             loss.backward()
-            session.all_reduce_gradients(model)
+            if not args.fsdp:  # FSDP2 reduce-scatters the gradients inside backward
+                session.all_reduce_gradients(model)
             optimizer.step()
-            scheduler.step()
+            session.scheduler.step()
             step.report(loss.item(), tokens=len(labels))
 
 

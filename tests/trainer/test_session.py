@@ -241,3 +241,32 @@ def test_a_restart_resumes_from_the_checkpoint_exactly(
     first = [r for r in agent.of(0, "iteration") if r.state_source][-1]
     assert (first.iteration, first.state_source, first.restored_iteration) == (11, "checkpoint", 10)
     assert_same_state(final_state(root), reference)
+
+
+def test_the_example_sharded_with_fsdp2_trains_the_same_model_under_torchrun(tmp_path: Path) -> None:
+    """``examples/digits --fsdp`` under plain torchrun (no Unicron): the same MLP sharded with
+    FSDP2 ends where the replicated one does, within float reordering (FSDP2 averages the
+    gradients in its reduce-scatter, the replicated loop in Session's all-reduce)."""
+    import os
+    import subprocess
+    import sys
+
+    from bench.peers import _load_params
+    from unicron_dev.localcluster import ROOT
+
+    finals = []
+    for variant in ([], ["--fsdp"]):
+        root = tmp_path / ("fsdp" if variant else "replicated")
+        argv = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "2",
+            "-m", "bench.peers_torchrun", "--iterations", "20", "--hidden", "256", "--checkpoint-dir", str(root),
+            *variant,
+        ]  # fmt: skip
+        done = subprocess.run(
+            argv, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        finals.append(_load_params(root / "iter_00000020" / "tp0_pp0.pt"))
+    replicated, sharded = finals
+    assert sorted(sharded) == sorted(replicated) == ["0.bias", "0.weight", "2.bias", "2.weight", "4.bias", "4.weight"]
+    assert relative_difference(sharded, replicated) < 1e-5
