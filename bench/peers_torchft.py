@@ -19,7 +19,7 @@ the quorum's participants; the optimizer and LR scheduler step only when
 from a live peer (model, optimizer, scheduler, step) through torchft's checkpoint transport.
 
 With ``--fsdp`` the MLP is sharded with FSDP2 inside the group and the groups are HSDP's
-replicas (``shard_over_groups``): what a team training a sharded model under torchft runs. A
+replicas (``shard_in_group``, ``average_across_groups``): what a team training a sharded model under torchft runs. A
 group restarted heals its shards from the live group's the same way.
 
 Stdout: one JSON object per line (`event`: start, step, done), timed with time.time(), which
@@ -112,16 +112,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def shard_over_groups(model: torch.nn.Module, manager: Any, store: Any) -> None:
-    """HSDP as torchft 0.2.0 builds it (its fsdp_test.py; torchtitan's ft manager): FSDP2
-    shards ``model`` over the group's own ranks (here one: the group is one process), and a
-    managed process group all-reduces each reduce-scattered gradient across the replica
-    groups in FSDP's all-reduce hook, averaged over the quorum's participants. A failed
-    all-reduce is kept by the manager (``should_commit`` then says no), not raised."""
+def shard_in_group(model: torch.nn.Module, store: Any) -> None:
+    """HSDP as torchft 0.2.0 builds it (its fsdp_test.py; torchtitan's ft manager), first half:
+    FSDP2 shards ``model`` over the group's own ranks (here one: the group is one process).
+    Before the optimizer is made: ``fully_shard`` replaces the parameters."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule, fully_shard
-    from torchft.process_group import ManagedProcessGroup
+    from torch.distributed.fsdp import fully_shard
 
     dist.init_process_group("gloo", store=dist.PrefixStore("shard", store), rank=0, world_size=1)
     mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp_shard",))
@@ -129,6 +126,16 @@ def shard_over_groups(model: torch.nn.Module, manager: Any, store: Any) -> None:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
+
+
+def average_across_groups(model: torch.nn.Module, manager: Any) -> None:
+    """Second half: a managed process group all-reduces each reduce-scattered gradient across
+    the replica groups in FSDP's all-reduce hook, averaged over the quorum's participants. A
+    failed all-reduce is kept by the manager (``should_commit`` then says no), not raised."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+    from torchft.process_group import ManagedProcessGroup
+
     replicate = ManagedProcessGroup(manager)
     replicate.register("dp_replicate")
 
@@ -190,6 +197,10 @@ def main(argv: list[str] | None = None) -> None:
     # (init_sync=False); a restarted group heals from a peer anyway.
     torch.manual_seed(args.seed)
     model = build_model(args.hidden)
+    # The group's own store (torchrun would provide one per replica group).
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    if args.fsdp:
+        shard_in_group(model, store)
     inner = torch.optim.Adam(model.parameters(), lr=args.lr)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(inner, T_max=args.steps)
 
@@ -201,8 +212,6 @@ def main(argv: list[str] | None = None) -> None:
         inner.load_state_dict(state["optim"])
         scheduler.load_state_dict(state["scheduler"])
 
-    # The group's own store (torchrun would provide one per replica group).
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     timeout = timedelta(seconds=args.timeout_s)
     manager = Manager(
         pg=ProcessGroupGloo(timeout=timeout),
@@ -221,7 +230,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     managed = time.time()
     if args.fsdp:
-        shard_over_groups(model, manager, store)
+        average_across_groups(model, manager)
         ddp = model
     else:
         ddp = (DistributedDataParallel if args.stock_ddp else _tolerant_ddp(DistributedDataParallel, args.group))(
