@@ -141,3 +141,24 @@ def run_ranks(
 
 
 # A trainer process as the agent knows it: the (generation, rank) of its hello.
+
+
+def restart_rank_one_from_its_buddy(spec: common_pb2.JobSpec, tmp_path: Path, root: Path) -> None:
+    """Two ranks on two nodes; rank 1 is killed in iteration 9 and its replacement starts on a
+    third node. Asserts that every process ended well and that the new rank's first iteration
+    (9) took its state from a buddy copy of iteration 8, the one rank 0 keeps."""
+    port, new_port = free_port(), free_port()
+    agent = ReformAgent({(1, 0): 0}, generation=2, world_size=2, port=new_port, when=ReformAgent.any_error)
+    crash = trainer_env(node="node-b", fault_injection=True, faults=("crash@9",))
+    stays = trainer_env(node="node-a")
+    try:
+        old = [start_trainer(agent.address, spec, r, 2, port, tmp_path, 1, root, crash if r else stays) for r in (0, 1)]
+        assert old[1].wait().returncode != 0
+        joins = trainer_env(node="node-c", state_from_peer=True)
+        restarted = start_trainer(agent.address, spec, 1, 2, new_port, tmp_path, 2, root, joins)
+        for result in (old[0].wait(), restarted.wait()):
+            assert result.returncode == 0, result.log[-3000:]
+    finally:
+        agent.stop()
+    first = agent.of((2, 1), "iteration")[0]
+    assert (first.iteration, first.state_source, first.restored_iteration) == (9, "buddy", 8)

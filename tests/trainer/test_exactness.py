@@ -33,6 +33,7 @@ from tests.trainer.harness import (
     ReformAgent,
     free_port,
     relative_difference,
+    restart_rank_one_from_its_buddy,
     run_ranks,
     start_trainer,
 )
@@ -433,24 +434,8 @@ def test_a_restart_takes_the_lost_shard_from_its_buddy(references: dict[str, Any
     run ends bit-identical."""
     if not references["distributed"]:
         pytest.skip("a buddy copy is of a distributed optimizer's shard")
-    port, new_port = free_port(), free_port()
-    agent = ReformAgent({(1, 0): 0}, generation=2, world_size=2, port=new_port, when=ReformAgent.any_error)
     root = tmp_path / "ckpt"
-    on_a, on_b, on_c = _on_nodes("node-a", "node-b", "node-c")
-    crash = {**on_b, **trainer_env(fault_injection=True, faults=("crash@9",))}
-    try:
-        spec = references["spec"]()
-        old = [start_trainer(agent.address, spec, r, 2, port, tmp_path, 1, root, crash if r else on_a) for r in (0, 1)]
-        assert old[1].wait().returncode != 0
-        restarted = start_trainer(
-            agent.address, spec, 1, 2, new_port, tmp_path, 2, root, {**on_c, **trainer_env(state_from_peer=True)}
-        )
-        for result in (old[0].wait(), restarted.wait()):
-            assert result.returncode == 0, result.log[-3000:]
-    finally:
-        agent.stop()
-    first = agent.of((2, 1), "iteration")[0]
-    assert (first.iteration, first.state_source, first.restored_iteration) == (9, "buddy", 8)
+    restart_rank_one_from_its_buddy(references["spec"](), tmp_path, root)
     assert_exact(root, references["get"]("tp1dp2", 2))
 
 

@@ -26,6 +26,7 @@ from tests.trainer.harness import (
     ReformAgent,
     free_port,
     relative_difference,
+    restart_rank_one_from_its_buddy,
     run_ranks,
     start_trainer,
 )
@@ -219,23 +220,8 @@ def test_a_restart_takes_the_lost_shard_from_its_buddy(references: dict[str, Any
     of 9): the new rank takes the replicated rest from rank 0 and its half of every parameter
     and moment from that copy. No snapshot, no checkpoint read; the run ends bit-identical."""
     want = references["get"](2)
-    port, new_port = free_port(), free_port()
-    agent = ReformAgent({(1, 0): 0}, generation=2, world_size=2, port=new_port, when=ReformAgent.any_error)
     root = tmp_path / "ckpt"
-    crash = trainer_env(node="node-b", fault_injection=True, faults=("crash@9",))
-    stays = trainer_env(node="node-a")
-    try:
-        spec = references["spec"]()
-        old = [start_trainer(agent.address, spec, r, 2, port, tmp_path, 1, root, crash if r else stays) for r in (0, 1)]
-        assert old[1].wait().returncode != 0
-        joins = trainer_env(node="node-c", state_from_peer=True)
-        restarted = start_trainer(agent.address, spec, 1, 2, new_port, tmp_path, 2, root, joins)
-        for result in (old[0].wait(), restarted.wait()):
-            assert result.returncode == 0, result.log[-3000:]
-    finally:
-        agent.stop()
-    first = agent.of((2, 1), "iteration")[0]
-    assert (first.iteration, first.state_source, first.restored_iteration) == (9, "buddy", 8)
+    restart_rank_one_from_its_buddy(references["spec"](), tmp_path, root)
     assert_exact(root, want)
 
 
