@@ -162,3 +162,24 @@ def restart_rank_one_from_its_buddy(spec: common_pb2.JobSpec, tmp_path: Path, ro
         agent.stop()
     first = agent.of((2, 1), "iteration")[0]
     assert (first.iteration, first.state_source, first.restored_iteration) == (9, "buddy", 8)
+
+
+def leave_at_six(
+    spec: common_pb2.JobSpec, tmp_path: Path, stays: dict[str, str], leaves: dict[str, str]
+) -> tuple[ReformAgent, RankResult]:
+    """2 -> 1 data-parallel ranks at iteration 6, no persistent checkpoint to fall back to:
+    rank 1 (started with ``leaves``) exits, rank 0 (``stays``) goes on alone."""
+    port, new_port = free_port(), free_port()
+    agent = ReformAgent({(1, 0): 0}, generation=2, world_size=1, port=new_port, when=ReformAgent.any_error)
+    exits = {**leaves, **trainer_env(fault_injection=True, faults=("exit@6",))}
+    try:
+        root = tmp_path / "ckpt"
+        ranks = [
+            start_trainer(agent.address, spec, r, 2, port, tmp_path, 1, root, exits if r else stays) for r in (0, 1)
+        ]
+        assert ranks[1].wait().returncode == 3
+        result = ranks[0].wait()
+    finally:
+        agent.stop()
+    assert result.returncode == 0, result.log[-3000:]
+    return agent, result

@@ -29,9 +29,9 @@ import pytest
 from tests.trainer.harness import (
     FakeAgent,
     ProcessKey,
-    RankResult,
     ReformAgent,
     free_port,
+    leave_at_six,
     relative_difference,
     restart_rank_one_from_its_buddy,
     run_ranks,
@@ -439,35 +439,13 @@ def test_a_restart_takes_the_lost_shard_from_its_buddy(references: dict[str, Any
     assert_exact(root, references["get"]("tp1dp2", 2))
 
 
-def _leave_at_six(
-    references: dict[str, Any], tmp_path: Path, stays: dict[str, str], leaves: dict[str, str]
-) -> tuple[ReformAgent, RankResult]:
-    """DP 2 -> 1 at iteration 6 under the distributed optimizer, no persistent checkpoint to fall
-    back to: rank 1 (started with ``leaves``) exits, rank 0 (``stays``) goes on alone."""
-    port, new_port = free_port(), free_port()
-    agent = ReformAgent({(1, 0): 0}, generation=2, world_size=1, port=new_port, when=ReformAgent.any_error)
-    exits = {**leaves, **trainer_env(fault_injection=True, faults=("exit@6",))}
-    try:
-        spec = references["spec"]()
-        root = tmp_path / "ckpt"
-        ranks = [
-            start_trainer(agent.address, spec, r, 2, port, tmp_path, 1, root, exits if r else stays) for r in (0, 1)
-        ]
-        assert ranks[1].wait().returncode == 3
-        result = ranks[0].wait()
-    finally:
-        agent.stop()
-    assert result.returncode == 0, result.log[-3000:]
-    return agent, result
-
-
 def test_a_shrink_reshards_in_memory_from_the_buddy(references: dict[str, Any], tmp_path: Path) -> None:
     """Rank 1 leaves (DP 2 -> 1 at iteration 6), and rank 0 cuts the whole optimizer state from
     its own shard and its buddy copy of rank 1's. Within the resize bound."""
     if not references["distributed"]:
         pytest.skip("a buddy copy is of a distributed optimizer's shard")
     on_a, on_b = _on_nodes("node-a", "node-b")
-    agent, _ = _leave_at_six(references, tmp_path, on_a, on_b)
+    agent, _ = leave_at_six(references["spec"](), tmp_path, on_a, on_b)
     reports = [r for r in agent.of((1, 0), "iteration") if r.generation == 2 and r.state_source]
     assert (reports[0].state_source, reports[0].restored_iteration) == ("buddy", 5)
     assert_within(tmp_path / "ckpt", *resize_bound(references))
@@ -480,7 +458,7 @@ def test_a_shrink_reshards_from_the_nodes_snapshots(references: dict[str, Any], 
     if not references["distributed"]:
         pytest.skip("resharding from snapshots is of a distributed optimizer's shards")
     on_a = {**_on_nodes("node-a")[0], **trainer_env(snapshot_dir=str(tmp_path / "snapshots"))}
-    agent, result = _leave_at_six(references, tmp_path, on_a, on_a)
+    agent, result = leave_at_six(references["spec"](), tmp_path, on_a, on_a)
     reports = [r for r in agent.of((1, 0), "iteration") if r.generation == 2 and r.state_source]
     assert reports[0].state_source == "snapshot" and reports[0].restored_iteration >= 2, reports[0]
     assert "optimizer shard resharded" in result.log

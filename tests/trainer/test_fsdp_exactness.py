@@ -7,9 +7,9 @@ both Adam moments: a reattempt (an injected collective failure at the start of b
 FSDP's reduce-scatters run), a restart of a rank from its buddy copy on another node, and a
 restart of both ranks from the persistent checkpoint. A resize
 moves each rank's shard by piece moves: a grow (1 -> 2 ranks, the new rank's half cut from the
-live rank's memory) and a shrink (2 -> 1, the leaving rank's half from its snapshot on the
-node) end within twice the distance between the failure-free runs at the two sizes, measured
-here.
+live rank's memory) and a shrink (2 -> 1, the leaving rank's half from the buddy copy on the
+other node, or from its snapshot on the node) end within twice the distance between the
+failure-free runs at the two sizes, measured here.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from tests.trainer.harness import (
     ProcessKey,
     ReformAgent,
     free_port,
+    leave_at_six,
     relative_difference,
     restart_rank_one_from_its_buddy,
     run_ranks,
@@ -191,27 +192,26 @@ def test_a_grow_cuts_the_new_ranks_shard_from_memory(references: dict[str, Any],
 
 
 def test_a_shrink_reshards_from_the_nodes_snapshots(references: dict[str, Any], tmp_path: Path) -> None:
-    """Rank 1 leaves in iteration 6 taking its shard with it: rank 0 cuts the whole state from
-    its own shard's and rank 1's snapshots on the node. Within the resize bound."""
+    """Rank 1 leaves in iteration 6 taking its shard with it, both ranks on one node (so no
+    buddy copy): rank 0 cuts the whole state from its own shard's and rank 1's snapshots on the
+    node. Within the resize bound."""
     bound = resize_bound(references)
-    port, new_port = free_port(), free_port()
-    agent = ReformAgent({(1, 0): 0}, generation=2, world_size=1, port=new_port, when=ReformAgent.any_error)
     snapshots = trainer_env(snapshot_dir=str(tmp_path / "snapshots"))
-    exits = {**snapshots, **trainer_env(fault_injection=True, faults=("exit@6",))}
-    root = tmp_path / "ckpt"
-    try:
-        spec = references["spec"]()
-        ranks = [
-            start_trainer(agent.address, spec, r, 2, port, tmp_path, 1, root, exits if r else snapshots) for r in (0, 1)
-        ]
-        assert ranks[1].wait().returncode == 3
-        result = ranks[0].wait()
-    finally:
-        agent.stop()
-    assert result.returncode == 0, result.log[-3000:]
+    agent, _ = leave_at_six(references["spec"](), tmp_path, snapshots, snapshots)
     reports = [r for r in agent.of((1, 0), "iteration") if r.generation == 2 and r.state_source]
     assert reports[0].state_source == "snapshot", reports[0]
-    assert_within(root, references, bound)
+    assert_within(tmp_path / "ckpt", references, bound)
+
+
+def test_a_shrink_reshards_in_memory_from_the_buddy(references: dict[str, Any], tmp_path: Path) -> None:
+    """The ranks on two nodes; rank 1 leaves in iteration 6: rank 0 cuts the whole state from
+    its own shard and its buddy copy of rank 1's (of iteration 5), no snapshot, no checkpoint
+    read. Within the resize bound."""
+    bound = resize_bound(references)
+    agent, _ = leave_at_six(references["spec"](), tmp_path, trainer_env(node="node-a"), trainer_env(node="node-b"))
+    reports = [r for r in agent.of((1, 0), "iteration") if r.generation == 2 and r.state_source]
+    assert (reports[0].state_source, reports[0].restored_iteration) == ("buddy", 5), reports[0]
+    assert_within(tmp_path / "ckpt", references, bound)
 
 
 def test_a_restart_takes_the_lost_shard_from_its_buddy(references: dict[str, Any], tmp_path: Path) -> None:
