@@ -123,7 +123,8 @@ def _buddy_copies(trainer: FSDPTrainer, peers: dict[str, Any]) -> tuple[bool, bo
         for key, tensor in piece["tensors"].items()
     )
     hsdp = FSDPTrainer(build, "cpu", None, shard_degree=1)
-    return params_only, whole, hsdp.shard_to_copy() is None
+    shrunk_below = FSDPTrainer(build, "cpu", None, shard_degree=4)  # a world of 2 < 4: sharded whole
+    return params_only, whole, hsdp.shard_to_copy() is None and shrunk_below.replicas == 1
 
 
 @pytest.fixture(scope="module")
@@ -178,4 +179,4 @@ def test_a_buddy_copy_is_the_peers_whole_shard(results: dict[int, Any]) -> None:
         params_only, whole, none_under_hsdp = results[rank][5]
         assert params_only, "before the first step a shard holds the parameters only"
         assert whole, "the copy differs from the peer's shard"
-        assert none_under_hsdp, "under HSDP the other replica holds the shard: no copy"
+        assert none_under_hsdp, "under HSDP the other replica holds the shard: no copy; below a group, FSDP"

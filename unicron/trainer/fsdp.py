@@ -43,10 +43,11 @@ def make_mesh(device: str, world_size: int, shard_degree: int = 0) -> Any:
     """The mesh the model is sharded on: 1-D over the whole world (``shard``) for FSDP, or for
     HSDP (``shard_degree`` ranks per shard group, fewer than the world) 2-D, ``replicate`` x
     ``shard``, each row a whole copy of the state. ProgramError when the world does not split
-    into groups of ``shard_degree``."""
+    into groups of ``shard_degree``. A world smaller than one shard group (a job shrunk below
+    it) is sharded whole: its state still fits the pieces, and the job trains on."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    if shard_degree in (0, world_size):
+    if shard_degree in (0, world_size) or 0 < world_size < shard_degree:
         return init_device_mesh(device, (world_size,), mesh_dim_names=("shard",))
     if shard_degree < 0 or world_size % shard_degree:
         raise ProgramError(
