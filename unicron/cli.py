@@ -514,9 +514,20 @@ def run(args: argparse.Namespace, out: TextIO) -> int:
         return COMMANDS[args.command](client, args, out)
 
 
+def _lacks(exc: ModuleNotFoundError, command: str) -> int:
+    """The client install (``pip install unicron``) has neither the solver nor torch: a command
+    that needs them says so in one line."""
+    print(f"unicron: {command} needs {exc.name}, which this install lacks: pip install 'unicron[all]'", file=sys.stderr)
+    return EXIT_USAGE
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     words = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser(simulate="simulate" in words).parse_args(words)
+    try:
+        parser = build_parser(simulate="simulate" in words)
+    except ModuleNotFoundError as exc:
+        return _lacks(exc, "simulate")
+    args = parser.parse_args(words)
     try:
         return run(args, sys.stdout)
     except UnicronError as exc:
@@ -525,6 +536,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ClientError as exc:
         print(f"unicron: {exc}", file=sys.stderr)
         return EXIT_USAGE if exc.code in BAD_INPUT else EXIT_FAILED
+    except ModuleNotFoundError as exc:
+        return _lacks(exc, args.command)
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:
