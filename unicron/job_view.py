@@ -60,7 +60,9 @@ def print_job(job: common_pb2.Job, out: TextIO) -> None:
         )
     out.write(
         f"shape      TP {par.tensor} x PP {par.pipeline} x DP {par.data} "
-        f"(DP {par.min_data}..{par.max_data}), weight {spec.weight:g}\n"
+        f"(DP {par.min_data}..{par.max_data}), weight {spec.weight:g}"
+        + (f" ({spec.priority_class}{', preemptible' if spec.preemptible else ''})" if spec.priority_class else "")
+        + "\n"
     )
     program = spec.program
     what = program.entry_point or " ".join(program.command)

@@ -20,7 +20,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import redis
+import yaml
 
+from services.coordinator import priority
 from services.coordinator.coordinator import Coordinator, Settings
 from services.coordinator.ladder import LadderPolicy
 from services.coordinator.lease import DEFAULT_TTL_S, EXIT_LEASE_LOST, Lease, LeaseKeeper, lease_client
@@ -85,6 +87,11 @@ class CoordinatorConfig(TLSConfig):
         "users' tokens and the agents' join token (YAML: join_token, users: [{name, token, admin}]; "
         "make certs writes one); required with TLS, and with --plaintext and none no one is authenticated",
     )
+    priority_classes_file: str = setting(
+        "",
+        "the priority classes jobs name (YAML: classes: {NAME: {weight, preemptible}}, default: NAME); empty: the"
+        " built-in production (weight 10), research (1, the default) and best-effort (0.1, preemptible)",
+    )
     metrics_bind: str = setting(
         DEFAULT_BIND,
         "host:port of the Prometheus /metrics endpoint (plain HTTP, served by the active coordinator); empty: none",
@@ -99,6 +106,11 @@ class CoordinatorConfig(TLSConfig):
         )
         if self.tokens_file:
             TokenBook.load(self.tokens_file)  # a bad file is named now, not at the first call
+        if self.priority_classes_file:
+            try:
+                priority.load(self.priority_classes_file)
+            except (OSError, ValueError, yaml.YAMLError) as exc:
+                require(False, "priority_classes_file", str(exc))
         require(":" in self.bind, "bind", "must be host:port")
         require(
             self.redis_url.startswith(("redis://", "rediss://", "unix://")),
@@ -164,6 +176,9 @@ def setup(
             ack_timeout_s=config.ack_timeout_s,
             recovery_timeout_s=config.recovery_timeout_s,
             reform_restarts=config.reform_restarts,
+            priority_classes=priority.load(config.priority_classes_file)
+            if config.priority_classes_file
+            else priority.BUILT_IN,
         ),
         agent_security=config.client(),  # agents admit its certificate to read their logs
     )

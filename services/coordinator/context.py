@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from services.coordinator.ladder import LadderPolicy
 from services.coordinator.metrics import CoordinatorMetrics
+from services.coordinator.priority import BUILT_IN, PriorityClasses
 from services.coordinator.store import Store
 from unicron.monitor import MonitorSettings
 from unicron.v1 import common_pb2
@@ -32,6 +33,8 @@ class Settings:
     # Restart only the dead ranks, and resize keeping the ranks on the nodes a job keeps, the
     # others keeping their state in place, when they can (off: stop and start every rank).
     reform_restarts: bool = True
+    # The priority classes a job names (priority.py): its weight and whether it may be preempted.
+    priority_classes: PriorityClasses = BUILT_IN
 
 
 @dataclass

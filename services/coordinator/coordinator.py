@@ -87,8 +87,8 @@ class Coordinator:
 
     # ---- job API ----------------------------------------------------------------------
 
-    def submit(self, spec: common_pb2.JobSpec, owner: str = "") -> common_pb2.Job:
-        return self.jobs.submit(spec, owner)
+    def submit(self, spec: common_pb2.JobSpec, owner: str = "", admin: bool = True) -> common_pb2.Job:
+        return self.jobs.submit(spec, owner, admin)
 
     def get(self, job_id: str, scope: str | None = None) -> common_pb2.Job:
         return self.jobs.get(job_id, scope)

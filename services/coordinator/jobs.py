@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 
-from services.coordinator import cost, state, transitions
+from services.coordinator import cost, priority, state, transitions
 from services.coordinator.context import Context
 from services.coordinator.events import EventType, event
 from services.coordinator.registry import NodeRegistry
@@ -33,8 +33,9 @@ class Jobs:
         self._registry = registry
         self._replanner = replanner
 
-    def submit(self, spec: common_pb2.JobSpec, owner: str = "") -> common_pb2.Job:
-        spec = jobspec.normalized(spec)
+    def submit(self, spec: common_pb2.JobSpec, owner: str = "", admin: bool = True) -> common_pb2.Job:
+        """``admin``: the caller may set a raw weight (priority.apply)."""
+        spec = priority.apply(jobspec.normalized(spec), self._ctx.settings.priority_classes, admin)
         nodes = self._registry.nodes()
         if spec.program.image:
             # Agents start trainers in their own image: only nodes running this one can host it.

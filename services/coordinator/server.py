@@ -37,7 +37,8 @@ class JobServicer(job_service_pb2_grpc.JobServiceServicer):
     async def SubmitJob(self, request: jobs_pb.SubmitJobRequest, context: Context) -> jobs_pb.SubmitJobResponse:
         if not request.HasField("spec"):
             raise InvalidArgument("spec", "is required")
-        job = await to_thread(self._coordinator.submit, request.spec, owner=caller().name)
+        who = caller()
+        job = await to_thread(self._coordinator.submit, request.spec, owner=who.name, admin=who.admin)
         return jobs_pb.SubmitJobResponse(job=job)
 
     @grpc_errors

@@ -193,6 +193,29 @@ def test_users_see_and_cancel_only_their_own_jobs(plane: SecurePlane) -> None:
         assert root.cancel(theirs.job_id).state == common_pb2.JOB_STATE_CANCELLED
 
 
+def test_a_user_names_a_priority_class_and_only_an_admin_sets_a_raw_weight(plane: SecurePlane) -> None:
+    """A weight is the number the planner maximizes: alice cannot outrank the cluster with one
+    (PERMISSION_DENIED) nor name a class that does not exist (INVALID_ARGUMENT), and nothing is
+    written; her class sets her job's weight; root, an admin, may set any."""
+    plane.register()
+    with plane.client("alice") as alice, plane.client("root") as root:
+        before = snapshot(plane.redis)
+        greedy = tiny_spec("greedy")
+        greedy.weight = 1e9
+        assert code_of(lambda: alice.submit(greedy)) == grpc.StatusCode.PERMISSION_DENIED
+        unknown = tiny_spec("unknown")
+        unknown.priority_class = "urgent"
+        assert code_of(lambda: alice.submit(unknown)) == grpc.StatusCode.INVALID_ARGUMENT
+        assert snapshot(plane.redis) == before
+        classed = tiny_spec("classed")
+        classed.priority_class = "production"
+        job = alice.submit(classed)
+        assert (job.spec.priority_class, job.spec.weight, job.spec.preemptible) == ("production", 10.0, False)
+        assert root.submit(greedy).spec.weight == 1e9
+        for done in (job, root.get("greedy")):
+            root.cancel(done.job_id)
+
+
 def test_a_node_certificate_speaks_only_for_its_node(plane: SecurePlane) -> None:
     plane.register("n1")
     before = snapshot(plane.redis)
