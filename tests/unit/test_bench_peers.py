@@ -1,4 +1,4 @@
-"""The peers benchmark's pure parts (bench/peers.py: log parsing, recovery from timed events,
+"""The peers benchmark's pure parts (bench/peers_report.py: log parsing, recovery from timed events,
 dropped samples, the report's rows and table) and its torchft script's model and data against the
 digits example, so `make bench-peers` cannot rot between its rare runs. No torchrun, no torchft
 and no cluster here: torchft need not be installed."""
@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from bench import peers, peers_torchft
-from bench.peers import FtEvent, LogEvent
+from bench import peers, peers_report, peers_torchft
+from bench.peers_report import FtEvent, LogEvent
 
 
 def _line(msg: str, **fields: object) -> str:
@@ -21,11 +21,11 @@ def _line(msg: str, **fields: object) -> str:
 
 
 def test_trainer_lines_give_iterations_and_restores_and_nothing_else() -> None:
-    assert peers.parse_trainer_line(_line("iteration 17: loss 0.5124, 0.069s", tokens=64), 3.0) == LogEvent(
+    assert peers_report.parse_trainer_line(_line("iteration 17: loss 0.5124, 0.069s", tokens=64), 3.0) == LogEvent(
         3.0, "iteration", 17, 0.5124
     )
     restored = _line("resumed from checkpoint", iteration=20, checkpoint="/x/iter_00000020")
-    assert peers.parse_trainer_line(restored, 4.0) == LogEvent(4.0, "resumed", 20)
+    assert peers_report.parse_trainer_line(restored, 4.0) == LogEvent(4.0, "resumed", 20)
     for other in (
         "[E1202 17:22:03.322389674 TCPStore.cpp:277] [c10d] The server socket failed to bind.",
         _line("checkpoint saved", iteration=20),
@@ -34,7 +34,7 @@ def test_trainer_lines_give_iterations_and_restores_and_nothing_else() -> None:
         "[1, 2]",
         "",
     ):
-        assert peers.parse_trainer_line(other, 1.0) is None
+        assert peers_report.parse_trainer_line(other, 1.0) is None
 
 
 def _torchrun_events() -> list[LogEvent]:
@@ -47,7 +47,7 @@ def _torchrun_events() -> list[LogEvent]:
 
 
 def test_torchrun_recovery_times_the_restart_from_the_kill() -> None:
-    got = peers.torchrun_recovery(_torchrun_events(), killed=16.5)
+    got = peers_report.torchrun_recovery(_torchrun_events(), killed=16.5)
     assert got == {
         "step_at_kill": 17,
         "restored_iteration": 10,
@@ -61,10 +61,10 @@ def test_torchrun_recovery_times_the_restart_from_the_kill() -> None:
 def test_torchrun_recovery_needs_a_restart() -> None:
     events = [e for e in _torchrun_events() if e.kind != "resumed"]
     with pytest.raises(ValueError, match="restored"):
-        peers.torchrun_recovery(events, killed=16.5)
+        peers_report.torchrun_recovery(events, killed=16.5)
     # A job that never got back to where it was: the regain is unknown, not zero.
     short = [e for e in _torchrun_events() if not (e.kind == "iteration" and e.time >= 40.0 and e.iteration >= 15)]
-    got = peers.torchrun_recovery(short, killed=16.5)
+    got = peers_report.torchrun_recovery(short, killed=16.5)
     assert got["resume_s"] == 24.5 and got["regain_s"] is None
 
 
@@ -72,13 +72,13 @@ def test_torchft_lines_parse_and_others_are_ignored() -> None:
     step = json.dumps(
         {"event": "step", "time": 5.0, "group": 1, "step": 3, "committed": True, "participants": 2, "loss": 0.5}
     )
-    assert peers.parse_torchft_line(step, 2) == FtEvent(
+    assert peers_report.parse_torchft_line(step, 2) == FtEvent(
         incarnation=2, group=1, event="step", time=5.0, step=3, committed=True, participants=2, loss=0.5
     )
-    ready = peers.parse_torchft_line(json.dumps({"event": "ready", "time": 1.0, "group": 0}), 1)
+    ready = peers_report.parse_torchft_line(json.dumps({"event": "ready", "time": 1.0, "group": 0}), 1)
     assert ready is not None and ready.event == "ready"
     for other in ("2026-12-02T17:25:36.038 [INFO] [torchft::manager] - quorum", '{"event": "other", "time": 1}', "{x"):
-        assert peers.parse_torchft_line(other, 1) is None
+        assert peers_report.parse_torchft_line(other, 1) is None
 
 
 def _step(incarnation: int, group: int, time: float, step: int, participants: int, **kw: bool) -> FtEvent:
@@ -104,7 +104,7 @@ def _torchft_events() -> list[FtEvent]:
 
 
 def test_torchft_recovery_counts_the_stall_the_heal_and_the_dropped_samples() -> None:
-    got = peers.torchft_recovery(_torchft_events(), killed=10.5, victim=0)
+    got = peers_report.torchft_recovery(_torchft_events(), killed=10.5, victim=0)
     assert got["step_at_kill"] == 10
     assert got["restarted_started_s"] == 5.5 and got["restarted_ready_s"] == 14.5
     assert got["resume_s"] == 15.5 and got["resume_step"] == 21 and got["healed"]
@@ -120,32 +120,32 @@ def test_torchft_recovery_counts_the_stall_the_heal_and_the_dropped_samples() ->
 def test_a_step_in_flight_at_the_kill_is_no_end_of_the_stall() -> None:
     # Group 1's step 11 was all-reduced with group 0's gradient before the kill landed.
     events = sorted([*_torchft_events(), _step(1, 1, 10.6, 11, 2)], key=lambda e: e.time)
-    got = peers.torchft_recovery(events, killed=10.5, victim=0)
+    got = peers_report.torchft_recovery(events, killed=10.5, victim=0)
     assert got["stall_s"] == 5.0
     assert got["samples_dropped"] == 11 * 32  # step 11 counts once, at its fewest participants
 
 
 def test_torchft_recovery_when_the_restarted_group_never_commits() -> None:
     events = [e for e in _torchft_events() if not (e.group == 0 and e.incarnation == 2)]
-    got = peers.torchft_recovery(events, killed=10.5, victim=0)
+    got = peers_report.torchft_recovery(events, killed=10.5, victim=0)
     assert got["resume_s"] is None and got["rejoin_s"] is None
     with pytest.raises(ValueError, match="victim"):
-        peers.torchft_recovery([e for e in events if e.group != 0], killed=10.5, victim=0)
+        peers_report.torchft_recovery([e for e in events if e.group != 0], killed=10.5, victim=0)
 
 
 def test_dropped_samples_count_each_step_once() -> None:
     events = [_step(1, 0, 1.0, 1, 2), _step(1, 1, 1.0, 1, 2), _step(1, 1, 2.0, 2, 1), _step(2, 0, 2.0, 2, 1)]
-    assert peers.dropped_samples(events, groups=2, per_group=32) == 32
-    assert peers.dropped_samples([_step(1, 1, 2.0, 2, 1, committed=False)], groups=2, per_group=32) == 0
+    assert peers_report.dropped_samples(events, groups=2, per_group=32) == 32
+    assert peers_report.dropped_samples([_step(1, 1, 2.0, 2, 1, committed=False)], groups=2, per_group=32) == 0
 
 
 def test_relative_difference_is_the_worst_tensor() -> None:
     want = {"a": torch.ones(4), "b": torch.full((2,), 2.0)}
-    assert peers.relative_difference(dict(want), want) == 0.0
+    assert peers_report.relative_difference(dict(want), want) == 0.0
     got = {"a": torch.ones(4), "b": torch.tensor([2.0, 2.2])}
-    assert peers.relative_difference(got, want) == pytest.approx(0.2 / (8**0.5))
+    assert peers_report.relative_difference(got, want) == pytest.approx(0.2 / (8**0.5))
     with pytest.raises(ValueError):
-        peers.relative_difference({"a": torch.ones(4)}, want)
+        peers_report.relative_difference({"a": torch.ones(4)}, want)
 
 
 def test_a_row_summarizes_samples_and_keeps_failures_apart() -> None:
@@ -156,19 +156,19 @@ def test_a_row_summarizes_samples_and_keeps_failures_apart() -> None:
     ]
     samples[0]["relative_difference"] = 0.0
     samples[1]["relative_difference"] = 5e-7
-    row = peers.summarize_samples("torchrun", "restart all, checkpoint", samples, "measured", "SIGKILL")
+    row = peers_report.summarize_samples("torchrun", "restart all, checkpoint", samples, "measured", "SIGKILL")
     assert row["n"] == 2 and row["repeats"] == 3
     assert row["resume_p50_s"] == 25.0 and row["stall_p50_s"] == 25.0 and row["regain_p50_s"] == 26.5
     assert row["iterations_recomputed_p50"] == 4.5 and row["iterations_recomputed_max"] == 6
     assert row["exact"] is True and row["max_relative_difference"] == 5e-7
     assert row["errors"] == ["RuntimeError: boom"]
     samples[1]["relative_difference"] = 0.2
-    assert peers.summarize_samples("torchft", "x", samples, "measured", "SIGKILL")["exact"] is False
+    assert peers_report.summarize_samples("torchft", "x", samples, "measured", "SIGKILL")["exact"] is False
     assert "rejoin_p50_s" not in row and "ddp_hook_errors" not in row
     torchft = [{**samples[0], "rejoin_s": 3.0, "ddp_hook_errors": 1}, {**samples[1], "rejoin_s": 5.0}]
-    row = peers.summarize_samples("torchft", "x", torchft, "measured", "SIGKILL")
+    row = peers_report.summarize_samples("torchft", "x", torchft, "measured", "SIGKILL")
     assert row["rejoin_p50_s"] == 4.0 and row["ddp_hook_errors"] == 1
-    nothing = peers.summarize_samples("torchft", "x", [{"error": "no"}], "measured", "SIGKILL")
+    nothing = peers_report.summarize_samples("torchft", "x", [{"error": "no"}], "measured", "SIGKILL")
     assert nothing["n"] == 0 and nothing["resume_p50_s"] is None and nothing["exact"] is None
 
 
@@ -190,7 +190,7 @@ def _transition_report() -> dict[str, Any]:
 
 
 def test_unicron_rows_come_from_the_transition_report() -> None:
-    (row,) = peers.unicron_rows(_transition_report())
+    (row,) = peers_report.unicron_rows(_transition_report())
     assert row["peer"] == "unicron" and row["remedy"] == "restart"
     assert row["n"] == 1 and row["resume_p50_s"] == 1.5 and row["regain_p50_s"] == 2.0
     assert row["iterations_recomputed_max"] == 0 and row["samples_dropped_p50"] == 0
@@ -201,10 +201,10 @@ def test_unicron_rows_come_from_the_transition_report() -> None:
 
 def test_the_table_shows_every_row_and_every_skip() -> None:
     rows = [
-        peers.skipped_row("torchft", "no bench venv"),
-        *peers.unicron_rows(_transition_report()),
+        peers_report.skipped_row("torchft", "no bench venv"),
+        *peers_report.unicron_rows(_transition_report()),
     ]
-    table = peers.format_table({"rows": rows})
+    table = peers_report.format_table({"rows": rows})
     assert "torchft   skipped: no bench venv" in table
     assert "claimed (tests)" in table
     assert "failed sample: RuntimeError: the job did not resume" in table
