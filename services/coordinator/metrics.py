@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import cast
 
 from opentelemetry import metrics
 from opentelemetry.metrics import CallbackOptions, MeterProvider, Observation
@@ -135,6 +136,17 @@ class CoordinatorMetrics:
             unit="{incident}",
             description="Incidents opened, by root-cause kind and severity",
         )
+        # Every kind and severity at 0 from the start: a series made by its first incident
+        # would be invisible to increase() over the range that holds it (Prometheus counts
+        # growth from a series' first sample), and the dashboard's count by range with it.
+        for kind in pb.FailureKind.values():
+            for severity in pb.Severity.values():
+                if kind and severity:
+                    labels = {
+                        "kind": failures.kind_name(cast(pb.FailureKind, kind)),
+                        "severity": failures.severity_name(cast(pb.Severity, severity)),
+                    }
+                    self._incidents.add(0, labels)
         self._detection = meter.create_histogram(
             "unicron.incident.detection_seconds",
             unit="s",

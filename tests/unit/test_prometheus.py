@@ -131,12 +131,19 @@ def test_a_scrape_serves_every_metric_in_the_text_format(
     assert slots == {"detection": pytest.approx(8.0), "transition": pytest.approx(32.0), "sub_healthy": 2.0}
 
 
-def test_before_any_incident_only_the_gauges_are_served(
+def test_before_any_incident_the_gauges_and_the_incident_counts_at_zero_are_served(
     coordinator_metrics: CoordinatorMetrics, server: prometheus.MetricsServer
 ) -> None:
+    """The incident counter is there from the start, 0 for every kind and severity: a series
+    made by its first incident would be invisible to increase() over the range holding it."""
     assert server.address is not None
     gauges = {name for name, kind in prometheus.METRICS.items() if kind == "gauge"}
-    assert {family.name for family in text_string_to_metric_families(scrape(server.address)[1])} == gauges
+    families = {family.name: family for family in text_string_to_metric_families(scrape(server.address)[1])}
+    assert set(families) == gauges | {"unicron_incidents"}
+    counts = [s for s in families["unicron_incidents"].samples if s.name == "unicron_incidents_total"]
+    assert len(counts) == (len(pb.FailureKind.keys()) - 1) * (len(pb.Severity.keys()) - 1)
+    assert all(s.value == 0 for s in counts)
+    assert {"kind": "ecc_error", "severity": "SEV1"} in [s.labels for s in counts]
 
 
 def test_a_taken_port_is_tried_again_until_it_is_free(
