@@ -171,6 +171,22 @@ def print_cluster(cluster: job_service_pb2.GetClusterResponse, out: TextIO) -> N
 
 
 JOB_HEADERS = ["ID", "NAME", "STATE", "ITERATION", "LOSS", "PLACEMENT", "SUBMITTED"]
+QUEUE_HEADERS = ["#", "ID", "NAME", "CLASS", "WEIGHT", "SLOTS", "WAITED", "WAITING FOR"]
+
+
+def queue_row(entry: job_service_pb2.QueueEntry) -> list[str]:
+    """One waiting job; another user's shows as "(another user's)", its place and class only."""
+    mine = bool(entry.job_id)
+    return [
+        str(entry.position),
+        entry.job_id or "-",
+        entry.name if mine else "(another user's)",
+        entry.priority_class or "-",
+        f"{entry.weight:g}",
+        str(entry.min_slots),
+        f"{entry.waited_seconds:.0f}s",
+        entry.waiting_for if mine else "-",
+    ]
 
 
 class ProgressView:
@@ -263,6 +279,11 @@ def build_parser(simulate: bool = False) -> argparse.ArgumentParser:
     submit.add_argument("spec", help="path to the job spec (YAML)")
     submit.add_argument("--watch", action="store_true", help="follow the job until it ends")
     sub.add_parser("jobs", help="list jobs")
+    sub.add_parser(
+        "queue",
+        help="the waiting jobs in the order the planner prefers them (heavier class first, then the longer"
+        " waiting), each with what it waits for",
+    )
     for name, text in (("get", "show one job"), ("watch", "follow a job until it ends")):
         cmd = sub.add_parser(name, help=text)
         cmd.add_argument("job", help="job id or name")
@@ -388,6 +409,14 @@ def _jobs(client: UnicronClient, args: argparse.Namespace, out: TextIO) -> int:
     return _listing(jobs, [job_row(j) for j in jobs], JOB_HEADERS, args, out)
 
 
+def _queue(client: UnicronClient, args: argparse.Namespace, out: TextIO) -> int:
+    entries = client.queue()
+    if not entries and not args.json:
+        out.write("no job is waiting\n")
+        return 0
+    return _listing(entries, [queue_row(e) for e in entries], QUEUE_HEADERS, args, out)
+
+
 def _get(client: UnicronClient, args: argparse.Namespace, out: TextIO) -> int:
     job = client.get(args.job)
     return _one(job, lambda: print_job(job, out), args, out)
@@ -490,6 +519,7 @@ def _nodes(client: UnicronClient, args: argparse.Namespace, out: TextIO) -> int:
 COMMANDS: dict[str, Callable[[UnicronClient, argparse.Namespace, TextIO], int]] = {
     "submit": _submit,
     "jobs": _jobs,
+    "queue": _queue,
     "get": _get,
     "watch": lambda client, args, out: watch_job(client, args.job, out, args.json),
     "cancel": _cancel,

@@ -183,7 +183,13 @@ def setup(
         agent_security=config.client(),  # agents admit its certificate to read their logs
     )
     coordinator.metrics = CoordinatorMetrics(
-        coordinator.cluster, census=lambda: census(coordinator.list_jobs(), coordinator.registry.nodes())
+        coordinator.cluster,
+        census=lambda: census(
+            coordinator.list_jobs(),
+            coordinator.registry.nodes(),
+            coordinator.ctx.settings.priority_classes.classes,
+            coordinator.ctx.clock(),
+        ),
     )
     if config.metrics_bind:
         server.on_stop(serve_metrics(config.metrics_bind).stop)

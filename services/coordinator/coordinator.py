@@ -96,6 +96,9 @@ class Coordinator:
     def list_jobs(self, states: set[int] | None = None, scope: str | None = None) -> list[common_pb2.Job]:
         return self.jobs.list_jobs(states, scope)
 
+    def queue(self, scope: str | None = None) -> list[job_service_pb2.QueueEntry]:
+        return self.jobs.queue(scope)
+
     def cancel(self, job_id: str, reason: str, scope: str | None = None) -> common_pb2.Job:
         return self.jobs.cancel(job_id, reason, scope)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 
-from services.coordinator import cost, priority, state, transitions
+from services.coordinator import cost, priority, queue, state, transitions
 from services.coordinator.context import Context
 from services.coordinator.events import EventType, event
 from services.coordinator.registry import NodeRegistry
@@ -86,6 +86,10 @@ class Jobs:
     def list_jobs(self, states: set[int] | None = None, scope: str | None = None) -> list[common_pb2.Job]:
         jobs = self._ctx.store.list_jobs()
         return [job for job in jobs if (not states or job.state in states) and visible(job, scope)]
+
+    def queue(self, scope: str | None = None) -> list[job_service_pb2.QueueEntry]:
+        """The waiting jobs in the order the planner prefers them (queue.py)."""
+        return queue.entries(self._ctx.store.list_jobs(), self._ctx.clock(), scope)
 
     def cancel(self, job_id: str, reason: str, scope: str | None = None) -> common_pb2.Job:
         job_id = self.get(job_id, scope).job_id

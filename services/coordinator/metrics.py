@@ -23,6 +23,7 @@ from opentelemetry.sdk.metrics import MeterProvider as SdkMeterProvider
 from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
 from opentelemetry.sdk.resources import Resource
 
+from services.coordinator import queue
 from unicron import failures
 from unicron.v1 import common_pb2 as pb
 from unicron.v1 import job_service_pb2
@@ -86,15 +87,21 @@ NODE_STATES = _state_names(pb.NodeState, "NODE_STATE_")
 
 @dataclass(frozen=True)
 class Census:
-    """How many jobs and nodes are in each state (lower-case state names)."""
+    """How many jobs and nodes are in each state (lower-case state names), and per priority
+    class how many jobs wait and the longest wait in seconds."""
 
     jobs: Mapping[str, int] = field(default_factory=dict)
     nodes: Mapping[str, int] = field(default_factory=dict)
+    waiting: Mapping[str, tuple[int, float]] = field(default_factory=dict)
 
 
-def census(jobs: Iterable[pb.Job], nodes: Iterable[pb.Node]) -> Census:
+def census(
+    jobs: Iterable[pb.Job], nodes: Iterable[pb.Node], classes: Iterable[str] = (), now: float | None = None
+) -> Census:
     """Every stored job and node counted by state; every state present, 0 when none is in it,
-    so that a dashboard's series do not vanish."""
+    so that a dashboard's series do not vanish. With ``now``, the waiting jobs by priority
+    class (every class in ``classes`` present)."""
+    jobs = list(jobs)
     by_job = dict.fromkeys(JOB_STATES, 0)
     for job in jobs:
         name = pb.JobState.Name(job.state).removeprefix("JOB_STATE_").lower()
@@ -105,7 +112,14 @@ def census(jobs: Iterable[pb.Job], nodes: Iterable[pb.Node]) -> Census:
         name = pb.NodeState.Name(node.state).removeprefix("NODE_STATE_").lower()
         if name in by_node:
             by_node[name] += 1
-    return Census(by_job, by_node)
+    waiting: dict[str, tuple[int, float]] = dict.fromkeys(classes, (0, 0.0))
+    if now is not None:
+        for job in jobs:
+            if job.state == pb.JOB_STATE_PENDING:
+                count, longest = waiting.get(job.spec.priority_class, (0, 0.0))
+                waited = max(0.0, now - queue.waiting_since(job))
+                waiting[job.spec.priority_class] = (count + 1, max(longest, waited))
+    return Census(by_job, by_node, waiting)
 
 
 class CoordinatorMetrics:
@@ -220,6 +234,18 @@ class CoordinatorMetrics:
             description="Stored jobs by state",
         )
         meter.create_observable_gauge(
+            "unicron.queue.jobs",
+            callbacks=[self._observe_queue_jobs],
+            unit="{job}",
+            description="Jobs waiting for slots, by priority class",
+        )
+        meter.create_observable_gauge(
+            "unicron.queue.wait",
+            callbacks=[self._observe_queue_wait],
+            unit="s",
+            description="The longest a job of the priority class has waited so far (0: none waits)",
+        )
+        meter.create_observable_gauge(
             "unicron.nodes",
             callbacks=[self._observe_node_states],
             unit="{node}",
@@ -269,6 +295,12 @@ class CoordinatorMetrics:
 
     def _observe_job_states(self, options: CallbackOptions) -> Iterable[Observation]:
         return [Observation(n, {"state": state}) for state, n in self._current()[1].jobs.items()]
+
+    def _observe_queue_jobs(self, options: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(n, {"priority_class": c}) for c, (n, _) in self._current()[1].waiting.items()]
+
+    def _observe_queue_wait(self, options: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(s, {"priority_class": c}) for c, (_, s) in self._current()[1].waiting.items()]
 
     def _observe_node_states(self, options: CallbackOptions) -> Iterable[Observation]:
         return [Observation(n, {"state": state}) for state, n in self._current()[1].nodes.items()]

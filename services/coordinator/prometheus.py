@@ -36,6 +36,8 @@ METRICS = {
     "unicron_job_waf_flop_per_second": "gauge",  # {job, job_id}
     "unicron_jobs": "gauge",  # {state}
     "unicron_nodes": "gauge",  # {state}
+    "unicron_queue_jobs": "gauge",  # {priority_class}
+    "unicron_queue_wait_seconds": "gauge",  # {priority_class}
     "unicron_incidents": "counter",  # {kind, severity}
     "unicron_incident_detection_seconds": "histogram",  # {kind, remedy}
     "unicron_incident_transition_seconds": "histogram",  # {kind, remedy}

@@ -51,6 +51,10 @@ class JobServicer(job_service_pb2_grpc.JobServiceServicer):
         return jobs_pb.ListJobsResponse(jobs=jobs)
 
     @grpc_errors
+    async def ListQueue(self, request: jobs_pb.ListQueueRequest, context: Context) -> jobs_pb.ListQueueResponse:
+        return jobs_pb.ListQueueResponse(entries=await to_thread(self._coordinator.queue, _scope()))
+
+    @grpc_errors
     async def CancelJob(self, request: jobs_pb.CancelJobRequest, context: Context) -> jobs_pb.CancelJobResponse:
         job = await to_thread(self._coordinator.cancel, request.job_id, request.reason, _scope())
         return jobs_pb.CancelJobResponse(job=job)

@@ -1,7 +1,8 @@
 """The client a user installs to submit and watch jobs, without the runtime: the package built
 as a wheel and installed into a fresh venv brings grpcio, protobuf and YAML, and neither torch
-nor OR-Tools; its `unicron` command submits a job to a running cluster, lists it and watches it
-to its end. A command that needs what the client lacks (simulate, certs) says so in one line."""
+nor OR-Tools; its `unicron` command submits a job to a running cluster, lists it, reads the
+queue and watches the job to its end. A command that needs what the client lacks (simulate,
+certs) says so in one line."""
 
 from __future__ import annotations
 
@@ -91,6 +92,8 @@ def test_the_client_submits_lists_and_watches_a_job(client_venv: Path, cluster: 
     assert submitted.returncode == 0, submitted.stderr
     listed = _unicron(client_venv, cluster, "jobs", cwd=tmp_path)
     assert listed.returncode == 0 and "light-client" in listed.stdout, listed
+    queued = _unicron(client_venv, cluster, "queue", cwd=tmp_path)  # waiting or started by now
+    assert queued.returncode == 0 and ("light-client" in queued.stdout or "no job is waiting" in queued.stdout), queued
     watched = _unicron(client_venv, cluster, "watch", "light-client", cwd=tmp_path)
     assert watched.returncode == 0, watched.stdout[-2000:] + watched.stderr
     with cluster.client() as client:

@@ -216,6 +216,26 @@ def test_a_user_names_a_priority_class_and_only_an_admin_sets_a_raw_weight(plane
             root.cancel(done.job_id)
 
 
+def test_the_queue_shows_alice_her_place_and_not_what_the_jobs_before_her_are(plane: SecurePlane) -> None:
+    """Jobs that wait (this plane's coordinator plans nothing: no reconcile loop) in the order
+    the planner prefers them; alice sees her own by name and root's as a place and a class."""
+    plane.register()
+    with plane.client("alice") as alice, plane.client("root") as root:
+        heavy = tiny_spec("heavy-wait")
+        heavy.priority_class = "production"
+        theirs = root.submit(heavy)
+        mine = alice.submit(tiny_spec("light-wait"))
+        try:
+            seen = alice.queue()
+            places = [(e.position, e.name, e.priority_class) for e in seen]
+            assert places == [(1, "", "production"), (2, "light-wait", "research")]
+            assert seen[1].job_id == mine.job_id and seen[1].waiting_for and seen[0].waiting_for == ""
+            assert [e.name for e in root.queue()] == ["heavy-wait", "light-wait"]  # an admin sees all
+        finally:
+            root.cancel(theirs.job_id)
+            alice.cancel(mine.job_id)
+
+
 def test_a_node_certificate_speaks_only_for_its_node(plane: SecurePlane) -> None:
     plane.register("n1")
     before = snapshot(plane.redis)

@@ -48,6 +48,7 @@ class FakeClient:
     cluster_reply = job_service_pb2.GetClusterResponse()
     incidents_reply: list[common_pb2.Incident] = []
     nodes_reply: list[common_pb2.Node] = []
+    queue_reply: list[job_service_pb2.QueueEntry] = []
 
     def __init__(self, address: str) -> None:
         self.address = address
@@ -66,6 +67,9 @@ class FakeClient:
 
     def nodes(self) -> list[common_pb2.Node]:
         return self.nodes_reply
+
+    def queue(self) -> list[job_service_pb2.QueueEntry]:
+        return self.queue_reply
 
 
 def fake(monkeypatch: pytest.MonkeyPatch, **replies: object) -> None:
@@ -148,6 +152,33 @@ def test_cluster_without_jobs(capsys: pytest.CaptureFixture[str], monkeypatch: p
     assert code == 0
     assert "failures   1 incident, 0 FLOP lost (WAF-seconds)\n" in out
     assert out.endswith("jobs       none active or recent\n")
+
+
+def test_the_queue_shows_each_waiting_job_and_hides_anothers(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    entries = [
+        job_service_pb2.QueueEntry(position=1, priority_class="production", weight=10, waited_seconds=95, min_slots=8),
+        job_service_pb2.QueueEntry(
+            position=2,
+            job_id="job-1",
+            name="mine",
+            owner="alice",
+            priority_class="research",
+            weight=1,
+            waited_seconds=301.4,
+            waiting_for="waiting for slots: needs 4, 2 free",
+            min_slots=4,
+        ),
+    ]
+    fake(monkeypatch, queue_reply=entries)
+    code, out, _ = run(capsys, "queue")
+    lines = out.splitlines()
+    assert code == 0 and lines[0].split()[:4] == ["#", "ID", "NAME", "CLASS"]
+    assert lines[1].split()[:6] == ["1", "-", "(another", "user's)", "production", "10"]
+    assert "301s" in lines[2] and lines[2].endswith("waiting for slots: needs 4, 2 free")
+    fake(monkeypatch, queue_reply=[])
+    assert run(capsys, "queue")[1] == "no job is waiting\n"
 
 
 def test_cluster_json(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:

@@ -36,9 +36,11 @@ def snapshot() -> job_service_pb2.GetClusterResponse:
 
 
 def fake_census() -> Census:
-    jobs = [pb.Job(state=pb.JOB_STATE_RUNNING)] * 2 + [pb.Job(state=pb.JOB_STATE_PENDING)]
+    waiting = pb.Job(state=pb.JOB_STATE_PENDING, spec=pb.JobSpec(priority_class="research"))
+    waiting.created.FromSeconds(100)
+    jobs = [pb.Job(state=pb.JOB_STATE_RUNNING)] * 2 + [waiting]
     nodes = [pb.Node(state=pb.NODE_STATE_READY)] * 3 + [pb.Node(state=pb.NODE_STATE_LOST)]
-    return census(jobs, nodes)
+    return census(jobs, nodes, ("production", "research"), now=160.0)
 
 
 def costed_incident() -> pb.Incident:
@@ -214,3 +216,13 @@ def test_census_counts_every_state_and_names_them_all() -> None:
     )
     assert counted.jobs == {**dict.fromkeys(JOB_STATES, 0), "recovering": 1}
     assert counted.nodes == {"ready": 0, "lost": 0, "isolated": 1}
+
+
+def test_census_counts_the_waiting_jobs_by_class_and_their_longest_wait() -> None:
+    first, second, running = (pb.Job(spec=pb.JobSpec(priority_class="research")) for _ in range(3))
+    first.state = second.state = pb.JOB_STATE_PENDING
+    running.state = pb.JOB_STATE_RUNNING
+    first.created.FromSeconds(100)
+    second.created.FromSeconds(150)
+    counted = census([first, second, running], [], ("production", "research"), now=200.0)
+    assert counted.waiting == {"production": (0, 0.0), "research": (2, 100.0)}
