@@ -471,7 +471,9 @@ def _reform_once(
         namespace=generation_namespace(reform.generation),
         copy=run.buddies.copy if run.buddies is not None else None,
     )
-    if run.injector.enabled:
+    if run.injector.enabled and new.grad_sync_hook is None:
+        # A trainer whose rebuild keeps its own hook keeps it (FSDP's fires the iteration's
+        # faults at the start of backward too: replaced, none fired after a reform).
         new.grad_sync_hook = run.injector.in_grad_sync
     run.iteration = new.iteration
     run.source = (restored.source, restored.iteration)
