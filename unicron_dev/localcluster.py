@@ -146,7 +146,7 @@ def llama_fsdp(
                 "training": {
                     "iterations": iterations,
                     "global_batch_size": 8,
-                    "micro_batch_size": 1,
+                    "micro_batch_size": 4,
                     "seed": seed,
                     "learning_rate": 3e-3,
                     "precision": precision,

@@ -30,6 +30,8 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     max_seq_len: int = 64
+    # Residual dropout after the attention and the feed-forward (0: none, Llama's own).
+    dropout: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("dim", "n_layers", "n_heads", "multiple_of", "max_seq_len"):
@@ -144,10 +146,11 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(config)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         self.feed_forward = FeedForward(config)
+        self.dropout = config.dropout
 
     def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), freqs)
-        return h + self.feed_forward(self.ffn_norm(h))
+        h = x + F.dropout(self.attention(self.attention_norm(x), freqs), self.dropout, self.training)
+        return h + F.dropout(self.feed_forward(self.ffn_norm(h)), self.dropout, self.training)
 
 
 class Llama(nn.Module):

@@ -71,6 +71,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
         help="linear warmup of the learning rate (default: a tenth of the iterations)",
     )
     model.add_argument(
+        "--dropout",
+        type=float,
+        default=0.0,
+        help="residual dropout after attention and feed-forward (default 0); its masks are keyed by the samples",
+    )
+    model.add_argument(
         "--shard-degree",
         type=int,
         default=0,
@@ -79,6 +85,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     local = parser.add_argument_group("without Unicron (under Unicron the job spec's settings apply)")
     local.add_argument("--iterations", type=int, default=40, help="optimizer iterations (default 40)")
     local.add_argument("--global-batch-size", type=int, default=16, help="samples per iteration (default 16)")
+    local.add_argument(
+        "--micro-batch-size", type=int, default=4, help="samples per forward pass (default 4; divides a rank's share)"
+    )
     local.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
     local.add_argument("--seed", type=int, default=1234, help="initialization and data seed (default 1234)")
     local.add_argument(
@@ -149,6 +158,7 @@ def main(argv: list[str] | None = None) -> None:
         Training(
             iterations=args.iterations,
             global_batch_size=args.global_batch_size,
+            micro_batch_size=args.micro_batch_size,
             learning_rate=args.lr,
             seed=args.seed,
             checkpoint_interval=args.checkpoint_interval if args.checkpoint_dir else 0,
@@ -163,7 +173,11 @@ def main(argv: list[str] | None = None) -> None:
             " scale)"
         )
     vocab_size = text.Tokenizer(tokenizer_path).vocab_size
-    config: LlamaConfig = replace(SIZES[args.size], vocab_size=vocab_size, max_seq_len=args.seq_length)
+    if not 0.0 <= args.dropout < 1.0:
+        raise ProgramError(f"--dropout must be in [0, 1), got {args.dropout}")
+    config: LlamaConfig = replace(
+        SIZES[args.size], vocab_size=vocab_size, max_seq_len=args.seq_length, dropout=args.dropout
+    )
     # bf16 as LLM teams train under FSDP2: parameters gathered and computed in bf16, gradients
     # reduced in fp32, and the sharded master weights and Adam's moments kept in fp32.
     policy = (
@@ -217,19 +231,24 @@ def main(argv: list[str] | None = None) -> None:
         with step:
             # A reform builds them again: taken from the session each step.
             model, optimizer, scheduler = session.model, session.optimizer, session.scheduler
-            tokens, labels, mask = data.batch(step.samples())
-            logits = model(tokens)
-            per_token = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")
-            # The mean over all of this rank's token positions (masked ones count as zero), not
-            # over the unmasked ones: every sample weighs the same, so FSDP's average over the
-            # ranks is the global batch's mean however the batch is split.
-            loss = (per_token * mask.flatten()).sum() / labels.numel()
-            loss.backward()  # FSDP reduce-scatters the gradients: no all-reduce of our own
+            total = 0.0
+            # Micro-batches seeded from their samples: dropout's masks do not depend on the rank
+            # or the number of ranks, so a resize stays within the failure-free runs' distance.
+            for micro in step.micro_batches():
+                tokens, labels, mask = data.batch(micro)
+                logits = model(tokens)
+                per_token = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")
+                # The mean over all of this rank's token positions (masked ones count as zero),
+                # not over the unmasked ones: every sample weighs the same, so FSDP's average
+                # over the ranks is the global batch's mean however the batch is split.
+                loss = (per_token * mask.flatten()).sum() / labels.numel() / step.micro_batch_count
+                loss.backward()  # FSDP reduce-scatters the gradients: no all-reduce of our own
+                total += loss.item()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             optimizer.zero_grad()
             scheduler.step()
-            step.report(loss.item(), tokens=labels.numel())
+            step.report(total, tokens=len(step.samples()) * args.seq_length)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Exactness through the library at a size that means something: the GPT example at about 1M
 parameters over 20 iterations, with Megatron's default dropout (0.1) on, through real trainer
 processes. Dropout's masks are drawn from generators seeded per micro-batch by the samples it
-holds (``megatron_settings.keyed_seed``), so no remedy changes them.
+holds (``randomness.keyed_seed``), so no remedy changes them.
 
 A remedy that keeps the layout ends bit-identical to a failure-free run of that layout, every
 tensor of every (TP, PP) shard, none left out:

@@ -47,13 +47,13 @@ from megatron.core.utils import unwrap_model
 from unicron.trainer import distributed_optimizer, step_report
 from unicron.trainer.megatron_settings import (
     ddp_config,
-    keyed_seed,
     optimizer_config,
     param_scheduler,
     rng_states,
     set_rng_states,
 )
 from unicron.trainer.optimizer_shards import SHARD_KEY
+from unicron.trainer.randomness import keyed_seed
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,13 @@
 """The runtime's training settings (``Training``) as Megatron-Core's own objects: the DDP and
 optimizer configs and the LR scheduler, built the way Megatron-LM's ``pretrain()`` builds them
-from its flags; the seeds of a forward pass's random draws, and the RNG states a state copy
-carries.
+from its flags, and the RNG states a state copy carries (the seeds of a forward pass's
+random draws are ``randomness.keyed_seed``).
 
 Import after ``unicron.trainer.megatron_cpu`` (the engine does), so the shim's warning filters
 see Megatron's import-time warnings."""
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 import torch
@@ -70,14 +69,6 @@ def param_scheduler(optimizer: Any, t: Training) -> OptimizerParamScheduler:
         wsd_decay_steps=t.lr_wsd_decay_iterations or None,
         lr_wsd_decay_style=t.lr_wsd_decay_style,
     )
-
-
-def keyed_seed(seed: int, iteration: int, first_sample: int, pipeline_stage: int) -> int:
-    """A generator seed that is a function of the key alone: what a micro-batch's forward pass
-    draws (dropout's masks) then depends on the samples it computes, not on the rank or on what
-    was drawn before. 62 bits, so that Megatron's per-rank offsets stay within a seed's range."""
-    key = f"{seed}:{iteration}:{first_sample}:{pipeline_stage}".encode()
-    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") & ((1 << 62) - 1)
 
 
 def rng_states() -> dict[str, Any]:

@@ -23,7 +23,9 @@ The registered state (model, optimizer, LR scheduler, RNG state, the iteration, 
 data position) is what moves to a rank that joins from a peer, what snapshots and checkpoints
 hold, and what a restarted rank resumes from. Exactness across a resize needs the loss to be
 the mean over the rank's samples of ``step.samples()``: the gradient average over the
-data-parallel ranks is then the global batch's mean."""
+data-parallel ranks is then the global batch's mean. With dropout (or any random draw in the
+forward pass), loop over ``step.micro_batches()``: each is seeded from its samples, so the
+masks do not depend on the rank or the data-parallel degree."""
 
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ from unicron.trainer import buddy, runtime
 from unicron.trainer.fsdp import FSDPTrainer
 from unicron.trainer.plain_trainer import PlainLoopTrainer
 from unicron.trainer.program import ProgramError, Training
+from unicron.trainer.randomness import keyed_seed
 
 log = logging.getLogger("trainer")
 
@@ -462,6 +465,28 @@ class Step:
     def samples(self) -> range:
         """This rank's global sample indices of this step."""
         return self.session.samples(self.iteration)
+
+    @property
+    def micro_batch_count(self) -> int:
+        """How many micro-batches ``micro_batches()`` yields on this rank: divide each one's
+        loss by it, so that the rank's gradient is its samples' mean."""
+        return len(self.samples()) // self.session.training.micro_batch_size
+
+    def micro_batches(self) -> Iterator[range]:
+        """This rank's samples of the step in micro-batches of ``training.micro_batch_size``,
+        torch's generators seeded before each from the job's seed, the iteration and the
+        micro-batch's first global sample (``randomness.keyed_seed``): dropout's masks are then
+        the samples' own, whichever rank computes them, and a reattempt, a restart and a resize
+        stay exact with dropout on. ProgramError when the rank's share does not split."""
+        samples, size = self.samples(), self.session.training.micro_batch_size
+        if len(samples) % size:
+            raise ProgramError(
+                f"training.micro_batch_size {size} does not divide this rank's {len(samples)} samples"
+                f" (global_batch_size {self.session.training.global_batch_size} over {self.session.world_size} ranks)"
+            )
+        for first in range(samples.start, samples.stop, size):
+            torch.manual_seed(keyed_seed(self.session.training.seed, self.iteration, first))
+            yield range(first, first + size)
 
     def report(self, loss: float, tokens: int = 0) -> None:
         """This rank's loss of the step (its samples' mean) and the tokens (or samples) it saw."""
