@@ -82,6 +82,11 @@ def prometheus(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) 
             assert server.poll() is None, (work / "prometheus.log").read_text()[-3000:]
             assert time.monotonic() < deadline, "prometheus did not become ready"
             time.sleep(0.2)
+        # Ready is not scraped: a series first seen after the incident would start at 1, and
+        # no windowed panel could see it grow (seen once in CI, on a loaded machine).
+        while not query(address, 'unicron_incidents_total{kind="collective_timeout"}'):
+            assert time.monotonic() < deadline, "prometheus never scraped the coordinator"
+            time.sleep(0.2)
         yield address
     finally:
         server.terminate()
