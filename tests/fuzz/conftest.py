@@ -183,6 +183,7 @@ def coordinator_target(redis_server: LocalRedis) -> Iterator[harness.Target]:
                 {
                     "GetJob",
                     "ListJobs",
+                    "ListQueue",
                     "WatchJob",
                     "ListNodes",
                     "ListIncidents",
