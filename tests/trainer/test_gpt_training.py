@@ -21,8 +21,8 @@ import pytest
 import torch.distributed as dist
 
 from tests.trainer.gpt import ModelConfig, TrainConfig, gpt_trainer
-from unicron.trainer.engine import StepResult
 from unicron.trainer.program import ProgramError, Training
+from unicron.trainer.step_result import StepResult
 
 # Workers get this on PYTHONPATH so `services` imports whatever the caller's cwd.
 REPO_ROOT = Path(__file__).resolve().parents[2]

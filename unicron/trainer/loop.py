@@ -34,7 +34,8 @@ from unicron.v1 import common_pb2, trainer_service_pb2
 
 if TYPE_CHECKING:  # torch and Megatron take seconds to import
     from unicron.trainer import reform as reforming
-    from unicron.trainer.engine import MegatronTrainer, PartialStep, StepResult
+    from unicron.trainer.engine import MegatronTrainer
+    from unicron.trainer.step_result import PartialStep, StepResult
 
 
 def training_of(spec: common_pb2.JobSpec) -> Training:

@@ -75,7 +75,6 @@ import torch
 import torch.distributed as dist
 
 from unicron.trainer import buddy, checkpoint, transfer
-from unicron.trainer.engine import PartialStep
 from unicron.trainer.optimizer_shards import (
     SHARD_KEY,
     SHARDS_KEY,
@@ -87,7 +86,12 @@ from unicron.trainer.optimizer_shards import (
 from unicron.trainer.piece_moves import reshard
 from unicron.trainer.protocol import T, Trainer
 from unicron.trainer.snapshot import restore_nearest
+from unicron.trainer.step_result import PartialStep
 from unicron.trainer.tensor_bytes import StateError
+
+# isort: split
+# Megatron is imported after the shim, whose warning filters must see its import-time warnings.
+import unicron.trainer.megatron_cpu  # noqa: F401
 
 # isort: split
 from megatron.core import parallel_state
