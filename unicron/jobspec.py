@@ -13,6 +13,7 @@ import yaml
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
+from unicron import hsdp
 from unicron.config import YAMLFloat, load_yaml
 from unicron.errors import InvalidArgument
 from unicron.v1 import common_pb2
@@ -182,6 +183,7 @@ def validate(spec: common_pb2.JobSpec) -> None:
     )
     world = par.tensor * par.pipeline * par.max_data
     _require(world <= MAX_WORLD_SIZE, "spec.parallelism", f"asks for {world} ranks, over {MAX_WORLD_SIZE}")
+    _validate_shard_degree(par)
     train = spec.training
     _require(train.iterations > 0, "spec.training.iterations", "is required and must be positive")
     _require(train.global_batch_size > 0, "spec.training.global_batch_size", "is required and must be positive")
@@ -379,9 +381,26 @@ def validate_program(program: common_pb2.ProgramSpec) -> None:
         _require("\x00" not in text, f"spec.program.{field}", "must not contain NUL")
 
 
+def _validate_shard_degree(par: common_pb2.ParallelismSpec) -> None:
+    if par.shard_degree <= 1:
+        return
+    field = "spec.parallelism.shard_degree"
+    _require(
+        par.tensor == 1 and par.pipeline == 1,
+        field,
+        "is HSDP's, for a program sharded with FSDP2, whose tensor and pipeline degrees are 1",
+    )
+    _require(
+        hsdp.fits(par.data, par.shard_degree),
+        field,
+        f"{par.shard_degree}: the data-parallel degree {par.data} is neither a multiple of it nor below it",
+    )
+
+
 def allowed_sizes(spec: common_pb2.JobSpec) -> list[int]:
     par = spec.parallelism
-    return [par.tensor * par.pipeline * dp for dp in range(par.min_data, par.max_data + 1)]
+    unit = par.tensor * par.pipeline
+    return [unit * dp for dp in range(par.min_data, par.max_data + 1) if hsdp.fits(dp, par.shard_degree)]
 
 
 def data_parallel_degrees(spec: common_pb2.JobSpec) -> list[int]:
@@ -393,7 +412,7 @@ def data_parallel_degrees(spec: common_pb2.JobSpec) -> list[int]:
     if spec.throughput:
         unit = max(1, par.tensor * par.pipeline)
         return sorted(size // unit for size in spec.throughput)
-    return list(range(par.min_data, par.max_data + 1))
+    return [dp for dp in range(par.min_data, par.max_data + 1) if hsdp.fits(dp, par.shard_degree)]
 
 
 # fp32 parameters, gradients and Adam's two moments.

@@ -79,8 +79,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     model.add_argument(
         "--shard-degree",
         type=int,
-        default=0,
-        help="HSDP: ranks per shard group, each group a whole copy of the state (default 0: FSDP over all ranks)",
+        default=None,
+        help="HSDP: ranks per shard group, each group a whole copy of the state (default: the job spec's "
+        "parallelism.shard_degree under Unicron; 0, FSDP over all ranks, without)",
     )
     local = parser.add_argument_group("without Unicron (under Unicron the job spec's settings apply)")
     local.add_argument("--iterations", type=int, default=40, help="optimizer iterations (default 40)")

@@ -135,6 +135,7 @@ def plan_request(
             preemptible=job.spec.preemptible or job.state == state.PENDING,
             hit_by_failure=job.job_id in hit,
             throughput=dict(job.spec.throughput),
+            shard_degree=par.shard_degree,
         )
         if not job.spec.throughput:
             plan_job.measured_throughput.update(job.progress.measured_flops_per_second)

@@ -66,6 +66,7 @@ from services.planner.estimate import modelled_flops
 from services.planner.fields import FieldError as FieldError  # the planner's error, as callers name it
 from services.planner.fields import check_bool, check_float, check_id, check_int, fail
 from services.planner.fields import field_scope as field_scope
+from unicron import hsdp
 
 # Horizon used when no failures are expected (rate 0) or no node is healthy: one day. Any long
 # horizon makes transition costs small next to running time, which is what a zero rate means.
@@ -162,6 +163,8 @@ class Job:
     transition: Transition = field(default_factory=Transition)
     estimate: ThroughputEstimate | None = None
     measured: Mapping[int, float] = field(default_factory=dict)
+    # HSDP's shard degree: a DP degree above it is a multiple of it (unicron/hsdp.py); 0: any.
+    shard_degree: int = 0
 
     def __post_init__(self) -> None:
         where = f"Job({self.job_id!r})"
@@ -171,6 +174,9 @@ class Job:
             check_int(where, name, getattr(self, name), 1)
         if self.min_dp > self.max_dp:
             fail(where, "min_dp", f"{self.min_dp} exceeds max_dp {self.max_dp}")
+        check_int(where, "shard_degree", self.shard_degree, 0)
+        if not _parallel_sizes(self):
+            fail(where, "shard_degree", f"{self.shard_degree} leaves no DP degree in {self.min_dp}..{self.max_dp}")
         for name in ("hit_by_failure", "preemptible", "pinned"):
             check_bool(where, name, getattr(self, name))
         if not isinstance(self.transition, Transition):
@@ -184,7 +190,7 @@ class Job:
             for size, flops in self.throughput.items():
                 check_int(where, f"throughput[{size!r}] (key)", size, 1)
                 if size not in sizes:
-                    fail(where, f"throughput[{size}]", "size is not TP*PP*DP with DP in [min_dp, max_dp]")
+                    fail(where, f"throughput[{size}]", "size is not TP*PP*DP with DP in [min_dp, max_dp] (HSDP-fit)")
                 check_float(where, f"throughput[{size}]", flops, positive=True)
             # A private copy: the caller's dict must not change a frozen job behind our back.
             object.__setattr__(self, "throughput", dict(self.throughput))
@@ -299,7 +305,7 @@ class PlanResult:
 
 def _parallel_sizes(job: Job) -> list[int]:
     unit = job.tensor_parallel * job.pipeline_parallel
-    return [unit * dp for dp in range(job.min_dp, job.max_dp + 1)]
+    return [unit * dp for dp in range(job.min_dp, job.max_dp + 1) if hsdp.fits(dp, job.shard_degree)]
 
 
 def allowed_sizes(job: Job) -> list[int]:

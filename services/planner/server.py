@@ -74,6 +74,7 @@ def _job_from_proto(j: pb.PlanJob, path: str) -> domain.Job:
             preemptible=j.preemptible,
             pinned=j.pinned,
             transition=transition,
+            shard_degree=j.shard_degree,
         )
 
 

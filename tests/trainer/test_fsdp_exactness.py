@@ -287,7 +287,7 @@ def test_under_hsdp_a_restarted_rank_takes_its_shard_from_its_replica(tmp_path: 
     rank of the same shard, and moves from there. The run ends bit-identical to a failure-free
     one: no snapshot, no checkpoint read."""
     spec = llama_spec("fp32")
-    spec.program.args.extend(["--shard-degree", "2"])
+    spec.parallelism.shard_degree = 2  # the program takes it from its spec
     spec.training.micro_batch_size = 2  # 8 samples over 4 ranks
     plain = FakeAgent()
     try:

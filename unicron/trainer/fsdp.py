@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from unicron import hsdp
 from unicron.trainer.optimizer_shards import SHARD_KEY, Ranges, ShardError, cut, shard_state, shards_of
 from unicron.trainer.plain_trainer import PlainLoopTrainer
 from unicron.trainer.program import ProgramError, Training
@@ -49,7 +50,7 @@ def make_mesh(device: str, world_size: int, shard_degree: int = 0) -> Any:
 
     if shard_degree in (0, world_size) or 0 < world_size < shard_degree:
         return init_device_mesh(device, (world_size,), mesh_dim_names=("shard",))
-    if shard_degree < 0 or world_size % shard_degree:
+    if shard_degree < 0 or not hsdp.fits(world_size, shard_degree):
         raise ProgramError(
             f"register(shard_degree={shard_degree}): the world of {world_size} ranks does not split into it"
         )

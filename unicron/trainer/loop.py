@@ -68,6 +68,7 @@ def training_of(spec: common_pb2.JobSpec) -> Training:
         initial_checkpoint=t.initial_checkpoint,
         initial_checkpoint_weights_only=t.initial_checkpoint_weights_only,
         replication=t.replication,
+        shard_degree=par.shard_degree,
         **{name: getattr(t, name) for name in OPTIONAL_OPTIMIZER_SETTINGS if t.HasField(name)},
     )
 
@@ -100,6 +101,7 @@ def local_spec(training: Training) -> common_pb2.JobSpec:
     t.checkpoint_format, t.initial_checkpoint = training.checkpoint_format, training.initial_checkpoint
     t.initial_checkpoint_weights_only = training.initial_checkpoint_weights_only
     t.replication = training.replication
+    spec.parallelism.shard_degree = training.shard_degree
     for name in OPTIONAL_OPTIMIZER_SETTINGS:
         setattr(t, name, getattr(training, name))
     return spec

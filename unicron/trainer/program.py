@@ -53,7 +53,9 @@ class Training:
     Session). initial_checkpoint: a Megatron-LM checkpoint to
     start from (initial_checkpoint_weights_only: its weights only). replication: 2 keeps a
     buddy copy of each rank's optimizer shard on a peer of another node, 1 none (0: 2 under
-    the distributed optimizer or an FSDP2 model, else 1)."""
+    the distributed optimizer or an FSDP2 model, else 1). shard_degree: HSDP's ranks per shard
+    group for an FSDP2 model under Session (0: FSDP over every rank; the job spec's
+    ``parallelism.shard_degree``, so that the planner picks only sizes it can lay out)."""
 
     iterations: int = 100
     global_batch_size: int = 8
@@ -86,6 +88,7 @@ class Training:
     initial_checkpoint: str = ""
     initial_checkpoint_weights_only: bool = False
     replication: int = 0
+    shard_degree: int = 0
 
     @property
     def copies(self) -> int:
@@ -103,6 +106,7 @@ class Training:
             "lr_wsd_decay_iterations",
             "seed",
             "eval_interval",
+            "shard_degree",
         ):
             if getattr(self, name) < 0:
                 raise ProgramError(f"training.{name} must not be negative, got {getattr(self, name)}")

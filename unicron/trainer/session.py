@@ -204,7 +204,7 @@ class Session:
         optimizer: Any = None,
         scheduler: Any = None,
         build: Any = None,
-        shard_degree: int = 0,
+        shard_degree: int | None = None,
     ) -> None:
         """Registers what makes up the training state and restores it from the nearest source
         (a live peer, this node's snapshot, the checkpoint), or keeps it fresh.
@@ -214,7 +214,10 @@ class Session:
         ``fully_shard(..., mesh=mesh)`` and returns ``(model, optimizer[, scheduler])``; it is
         called again on the new mesh after every reform (unicron/trainer/fsdp.py). With
         ``shard_degree`` (fewer ranks than the world) the mesh is HSDP's, ``replicate`` x
-        ``shard``: each group of that many ranks holds a whole copy of the state."""
+        ``shard``: each group of that many ranks holds a whole copy of the state. None: the job
+        spec's ``parallelism.shard_degree`` (0 under torchrun); a program that says another
+        degree than its spec is refused in one line, since the planner sizes the job by the
+        spec's."""
         if self._trainer is not None:
             raise ProgramError("register() was called twice")
         config = self._run.config
@@ -225,7 +228,7 @@ class Session:
                 raise ProgramError("register(build=...) takes no model, optimizer or scheduler: build returns them")
             if not callable(build):
                 raise ProgramError(f"register(build=...) takes a function of the mesh, got {type(build).__name__}")
-            trainer = FSDPTrainer(build, self._device, timeout, self.training, shard_degree)
+            trainer = FSDPTrainer(build, self._device, timeout, self.training, self._shard_degree(shard_degree))
             trainer.grad_sync_hook = self._in_sharded_grad_sync
             # Each rank's shard is in no peer's memory (under HSDP, shard_to_copy says, the
             # other replicas hold it): a buddy on another node keeps a copy unless told not to.
@@ -245,6 +248,18 @@ class Session:
             if self._run.injector.enabled:
                 trainer.grad_sync_hook = self._run.injector.in_grad_sync
         self._restore(trainer)
+
+    def _shard_degree(self, asked: int | None) -> int:
+        """HSDP's shard degree: the spec's (``training.shard_degree``) unless the program says
+        one, which must then agree with a spec that says one."""
+        spec = self.training.shard_degree
+        if asked is None:
+            return spec
+        if spec and asked != spec:
+            raise ProgramError(
+                f"register(shard_degree={asked}) disagrees with the job spec's parallelism.shard_degree {spec}"
+            )
+        return asked
 
     def _in_sharded_grad_sync(self) -> None:
         """Under FSDP the gradients are reduced inside backward, at whose start this is called:
