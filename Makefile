@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 GEN_STAMP := unicron/v1/.generated
 PROTOS := $(wildcard proto/unicron/v1/*.proto)
 
-.PHONY: all venv gen redis prometheus compose-v1 demo certs test test-e2e test-unit test-cluster lint fmt clean bench-planner bench-detect bench-transition bench-sizes bench-sizes-fsdp bench-conversion bench-buddy bench-sources bench-sim bench-load bench-load-steps bench-peers bench-peers-fsdp peers-venv compose-test gpu-image-test deploy-lock
+.PHONY: all venv gen redis prometheus compose-v1 demo certs test test-e2e test-unit test-cluster lint fmt clean bench-planner bench-detect bench-transition bench-sizes bench-sizes-fsdp bench-sizes-llm bench-conversion bench-buddy bench-sources bench-sim bench-load bench-load-steps bench-peers bench-peers-fsdp peers-venv compose-test gpu-image-test deploy-lock
 
 all: test
 
@@ -90,6 +90,11 @@ bench-sizes: gen redis
 # bench/results/sizes-llama.json, never the simulator's fit.
 bench-sizes-fsdp: gen redis
 	$(PY) -m bench.sizes --model llama
+
+# The GPT example as LLM teams train it (bf16, Megatron's distributed optimizer, dropout 0.1) at
+# about 10M and 100M parameters: bench/results/sizes-llm.json, never the simulator's fit.
+bench-sizes-llm: gen redis
+	$(PY) -m bench.sizes --model llm
 
 # Megatron-Core's example, converted, through every kind of remedy with dropout 0.1: each trained
 # model against the failure-free one (bit-identical, or within the resize distance).

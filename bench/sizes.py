@@ -32,7 +32,8 @@ RESULTS = ROOT / "bench" / "results" / "sizes.json"
 PLOT = RESULTS.with_suffix(".png")
 # Each width's own bench.transition report (--reuse reads them back).
 RUNS = RESULTS.parent / "sizes"
-# The FSDP2 example's rows (--model llama), apart from the fit's.
+# The FSDP2 example's rows (--model llama) and the LLM-configured GPT's (--model llm), apart
+# from the fit's: bench/results/sizes-<model>.json.
 LLAMA_RESULTS = RESULTS.with_name("sizes-llama.json")
 FIT_FILE = ROOT / "unicron_sim" / "data" / "transition_fit.json"
 # 64*h + h*h + 10*h weights plus 2h + 10 biases: 1.1M, 10.1M and 100.8M parameters.
@@ -78,6 +79,13 @@ class Family:
     def parameters(self, size: str) -> int:
         if self.name == "digits":
             return parameters(int(size))
+        if self.name == "llm":
+            from examples.gpt.model import ModelConfig
+
+            layers, hidden = (int(n) for n in size.split(":"))
+            # localcluster.llm_gpt's shape: 64-wide heads, 64-token samples, 1024 tokens.
+            shape = ModelConfig(layers, hidden, max(1, hidden // 64), seq_length=64, vocab_size=1024)
+            return int(shape.parameters())
         from examples.llama_fsdp.model import SIZES
         from examples.llama_fsdp.model import parameters as llama_parameters
 
@@ -86,7 +94,15 @@ class Family:
 
     def state_bytes(self, size: str) -> int:
         """Per rank: the MLP is replicated; FSDP2 shards the Llama over the job's 2 ranks (its
-        fp32 parameters and Adam's moments: bf16 is FSDP's compute dtype only)."""
+        fp32 parameters and Adam's moments: bf16 is FSDP's compute dtype only); the GPT holds
+        its bf16 parameters and fp32 gradients whole and its distributed optimizer's shard
+        (main parameters and moments) over its 2 ranks."""
+        if self.name == "llm":
+            from unicron import jobspec
+            from unicron_dev.localcluster import llm_gpt
+
+            training = llm_gpt("sizes", 1, 64).training
+            return int(self.parameters(size) * jobspec.state_bytes_per_parameter(training, 2))
         whole = self.parameters(size) * BYTES_PER_PARAMETER
         return whole if self.name == "digits" else whole // 2
 
@@ -94,6 +110,9 @@ class Family:
 FAMILIES = {
     "digits": Family("digits", tuple(map(str, WIDTHS)), tuple(map(str, WIDTHS[:2])), "examples/digits, replicated"),
     "llama": Family("llama", ("10m", "100m"), ("10m",), "examples/llama_fsdp, FSDP2 in bf16"),
+    "llm": Family(
+        "llm", ("4:448", "8:1024"), ("4:448",), "examples/gpt, bf16, Megatron's distributed optimizer, dropout 0.1"
+    ),
 }
 
 
@@ -395,19 +414,26 @@ def main(argv: list[str] | None = None) -> int:
         "--model",
         choices=sorted(FAMILIES),
         default="digits",
-        help="digits (the plain PyTorch MLP, replicated; default) or llama (the FSDP2 example, sharded, bf16)",
+        help="digits (the plain PyTorch MLP, replicated; default), llama (the FSDP2 example, sharded, bf16) or"
+        " llm (the GPT example in bf16 with Megatron's distributed optimizer and dropout 0.1)",
     )
-    parser.add_argument("--quick", action="store_true", help="the two smaller sizes (llama: 10m), one repeat")
+    parser.add_argument(
+        "--quick", action="store_true", help="the two smaller sizes (llama: 10m; llm: 4:448), one repeat"
+    )
     parser.add_argument(
         "--widths",
         default=None,
-        help=f"sizes: MLP widths (default {','.join(map(str, WIDTHS))}) or llama presets (default 10m,100m)",
+        help=f"sizes: MLP widths (default {','.join(map(str, WIDTHS))}), llama presets (default 10m,100m) or llm"
+        " LAYERS:HIDDEN (default 4:448,8:1024)",
     )
     parser.add_argument("--repeats", type=int, default=None, help="samples per action and width (default 2)")
     parser.add_argument("--actions", default=",".join(ACTIONS), help="bench.transition's actions")
     parser.add_argument("--seed", type=int, default=0, help="seed of the drawn failure iterations")
     parser.add_argument(
-        "--out", type=Path, default=None, help=f"JSON results (default {RESULTS}; llama: {LLAMA_RESULTS})"
+        "--out",
+        type=Path,
+        default=None,
+        help=f"JSON results (default {RESULTS}; for another model {RESULTS.parent}/sizes-MODEL.json)",
     )
     parser.add_argument(
         "--reuse", action="store_true", help=f"read the widths already measured in {RUNS} instead of running them"
@@ -417,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     family = FAMILIES[args.model]
-    args.out = args.out or (RESULTS if family.name == "digits" else LLAMA_RESULTS)
+    args.out = args.out or (RESULTS if family.name == "digits" else RESULTS.with_name(f"sizes-{family.name}.json"))
     widths = args.widths.split(",") if args.widths else list(family.quick if args.quick else family.sizes)
     args.repeats = args.repeats if args.repeats is not None else (1 if args.quick else 2)
     began = time.monotonic()

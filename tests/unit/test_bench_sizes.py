@@ -125,3 +125,14 @@ def test_the_llama_rows_count_the_fsdp_example_and_a_ranks_half_of_its_state() -
     assert llama.parameters("10m") == sum(p.numel() for p in model.parameters())
     assert llama.state_bytes("10m") == llama.parameters("10m") * sizes.BYTES_PER_PARAMETER // 2
     assert llama.model("100m") == "llama:100m"
+
+
+def test_the_llm_rows_count_the_gpt_and_a_ranks_share_of_its_distributed_optimizer() -> None:
+    pytest.importorskip("megatron.core")
+    llm = sizes.FAMILIES["llm"]
+    # localcluster.llm_gpt's sizes: 10M and 102M parameters.
+    assert round(llm.parameters("4:448") / 1e6) == 11 and round(llm.parameters("8:1024") / 1e6) == 103
+    # bf16 parameters (2) and fp32 gradients (4) whole, fp32 main parameters and Adam's two
+    # moments (12) over the job's 2 data-parallel ranks.
+    assert llm.state_bytes("4:448") == llm.parameters("4:448") * 12
+    assert llm.model("8:1024") == "llm:8:1024"
