@@ -58,6 +58,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from services.planner import teams
 from services.planner.estimate import DEFAULT_MFU as DEFAULT_MFU
 from services.planner.estimate import ESTIMATED_FLOPS_PER_SLOT as ESTIMATED_FLOPS_PER_SLOT
 from services.planner.estimate import GPU_PEAK_FLOPS as GPU_PEAK_FLOPS
@@ -165,6 +166,8 @@ class Job:
     measured: Mapping[int, float] = field(default_factory=dict)
     # HSDP's shard degree: a DP degree above it is a multiple of it (unicron/hsdp.py); 0: any.
     shard_degree: int = 0
+    # The team whose slot limit the job counts against (PlanRequest.team_limits); "": none.
+    team: str = ""
 
     def __post_init__(self) -> None:
         where = f"Job({self.job_id!r})"
@@ -175,6 +178,8 @@ class Job:
         if self.min_dp > self.max_dp:
             fail(where, "min_dp", f"{self.min_dp} exceeds max_dp {self.max_dp}")
         check_int(where, "shard_degree", self.shard_degree, 0)
+        if not isinstance(self.team, str):
+            fail(where, "team", f"must be a string, got {self.team!r}")
         if not _parallel_sizes(self):
             fail(where, "shard_degree", f"{self.shard_degree} leaves no DP degree in {self.min_dp}..{self.max_dp}")
         for name in ("hit_by_failure", "preemptible", "pinned"):
@@ -233,6 +238,7 @@ class PlanRequest:
     seed: int = 0
     workers: int = 1
     relative_gap: float = 1e-3
+    team_limits: Mapping[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         where = "request"
@@ -255,6 +261,12 @@ class PlanRequest:
         check_float(where, "relative_gap", self.relative_gap)
         if self.relative_gap >= 1:
             fail(where, "relative_gap", f"must be below 1, got {self.relative_gap!r}")
+        if not isinstance(self.team_limits, Mapping):
+            fail(where, "team_limits", f"must be a mapping team -> slots, got {self.team_limits!r}")
+        for team, limit in self.team_limits.items():
+            check_id(where, "team_limits (key)", team)
+            check_int(where, f"team_limits[{team!r}]", limit, 0)
+        object.__setattr__(self, "team_limits", dict(self.team_limits))
 
 
 @dataclass(frozen=True)
@@ -514,6 +526,8 @@ def plan_problems(request: PlanRequest, plan_slots: PlanSlots) -> list[str]:
             problems.append(f"node {node_id}: {count} slots used of {nodes[node_id].slots}")
     if request.max_changed_jobs is not None and changed > request.max_changed_jobs:
         problems.append(f"{changed} jobs changed, cap is {request.max_changed_jobs}")
+    sizes = {job.job_id: sum(plan_slots.get(job.job_id, {}).values()) for job in request.jobs}
+    problems += teams.over_limits(request, sizes)
     return problems
 
 
@@ -586,4 +600,7 @@ def size_only_score(request: PlanRequest, sizes: Mapping[str, int]) -> float:
         used += x
     if used > healthy_slots(request):
         raise ValueError(f"sizes use {used} slots, healthy nodes hold {healthy_slots(request)}")
+    over = teams.over_limits(request, sizes)
+    if over:
+        raise ValueError(over[0])
     return total

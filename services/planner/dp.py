@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from services.planner import domain
-from services.planner.domain import PlanRequest
+from services.planner import domain, teams
+from services.planner.domain import Job, PlanRequest
 
 
 @dataclass(frozen=True)
@@ -38,37 +38,80 @@ class DPResult:
 
 
 def plan_sizes_dp(request: PlanRequest) -> DPResult:
-    """The size-only optimum by dynamic programming; ValueError for a malformed request."""
+    """The size-only optimum by dynamic programming; ValueError for a malformed request.
+
+    With team limits (``teams``) the jobs go in groups: a limited team's jobs first, over at
+    most its limit, then the groups together over the pool, each taking a total from its own
+    table (a max-plus convolution). Without limits every job is its own group, and that is the
+    paper's recurrence."""
     domain.validate(request)
     nodes = {node.node_id: node for node in request.nodes}
     horizon = domain.horizon_of(request)
     pool = domain.healthy_slots(request)
+    limited = teams.limited(request)
+    groups: list[tuple[list[Job], int]] = [(jobs, min(pool, request.team_limits[t])) for t, jobs in limited.items()]
+    groups += [([job], pool) for job in request.jobs if job.team not in limited]
     best = np.zeros(pool + 1)
+    tables: list[tuple[list[Job], list[tuple[list[int], np.ndarray]], np.ndarray]] = []
+    for jobs, cap in groups:
+        table, choices = _jobs_table(jobs, nodes, horizon, cap)
+        # best over the groups so far, on at most g slots, with this group taking exactly total.
+        new = np.full(pool + 1, -np.inf)
+        total = np.full(pool + 1, -1, dtype=np.int32)
+        for used in range(cap + 1):
+            if not np.isfinite(table[used]):
+                continue
+            candidate = np.full(pool + 1, -np.inf)
+            candidate[used:] = best[: pool + 1 - used] + table[used]
+            better = candidate > new
+            new[better] = candidate[better]
+            total[better] = used
+        best = new
+        tables.append((jobs, choices, total))
+    if not np.isfinite(best[pool]):
+        return DPResult(-np.inf, {}, "INFEASIBLE")
+    sizes_by_job: dict[str, int] = {}
+    g = pool
+    for jobs, choices, total in reversed(tables):
+        used = int(total[g])
+        g -= used
+        sizes_by_job.update(_read_back(jobs, choices, used))
+    ordered = {job.job_id: sizes_by_job[job.job_id] for job in request.jobs}
+    # Sum in request order so the objective matches domain.size_only_score to the last bit.
+    objective = sum(domain.size_only_value(job, ordered[job.job_id], nodes, horizon) for job in request.jobs)
+    return DPResult(float(objective), ordered)
+
+
+def _jobs_table(
+    jobs: list[Job], nodes: dict[str, domain.Node], horizon: domain.Horizon, cap: int
+) -> tuple[np.ndarray, list[tuple[list[int], np.ndarray]]]:
+    """The paper's recurrence over ``jobs`` alone: the most they earn on exactly g slots, g =
+    0..cap (-inf where no choice of sizes sums to g), and each job's recorded choices."""
+    best = np.full(cap + 1, -np.inf)
+    best[0] = 0.0
     choices: list[tuple[list[int], np.ndarray]] = []
-    for job in request.jobs:
+    for job in jobs:
         options = domain.size_options(job, nodes, horizon)
         sizes = sorted(options)
-        new = np.full(pool + 1, -np.inf)
-        choice = np.full(pool + 1, -1, dtype=np.int32)
+        new = np.full(cap + 1, -np.inf)
+        choice = np.full(cap + 1, -1, dtype=np.int32)
         for i, x in enumerate(sizes):
-            if x > pool:
+            if x > cap:
                 break
-            candidate = np.full(pool + 1, -np.inf)
-            candidate[x:] = best[: pool + 1 - x] + options[x]
+            candidate = np.full(cap + 1, -np.inf)
+            candidate[x:] = best[: cap + 1 - x] + options[x]
             better = candidate > new  # ties keep the smaller size
             new[better] = candidate[better]
             choice[better] = i
         best = new
         choices.append((sizes, choice))
-    if not np.isfinite(best[pool]):
-        return DPResult(-np.inf, {}, "INFEASIBLE")
-    sizes_by_job: dict[str, int] = {}
-    g = pool
-    for job, (sizes, choice) in zip(reversed(request.jobs), reversed(choices), strict=True):
-        x = sizes[int(choice[g])]
-        sizes_by_job[job.job_id] = x
-        g -= x
-    ordered = {job.job_id: sizes_by_job[job.job_id] for job in request.jobs}
-    # Sum in request order so the objective matches domain.size_only_score to the last bit.
-    objective = sum(domain.size_only_value(job, ordered[job.job_id], nodes, horizon) for job in request.jobs)
-    return DPResult(float(objective), ordered)
+    return best, choices
+
+
+def _read_back(jobs: list[Job], choices: list[tuple[list[int], np.ndarray]], used: int) -> dict[str, int]:
+    sizes: dict[str, int] = {}
+    for job, (options, choice) in zip(reversed(jobs), reversed(choices), strict=True):
+        x = options[int(choice[used])]
+        sizes[job.job_id] = x
+        used -= x
+    return sizes

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from services.planner import domain
+from services.planner import domain, teams
 from services.planner.domain import JobPlan, PlanResult
 from services.planner.problem import (
     JobData,
@@ -21,12 +21,23 @@ def _plural_nodes(node_ids: list[str]) -> str:
     return f"{'node' if len(node_ids) == 1 else 'nodes'} {', '.join(node_ids)}"
 
 
-def _unplaced_reason(jd: JobData, left: int, cap_reached: int | None) -> str:
+def _team_limit_text(data: Problem, jd: JobData, team_used: Mapping[str, int], more: int) -> str | None:
+    """When the job's team holds too much of its limit for the job to have ``more`` slots."""
+    limit = data.request.team_limits.get(jd.job.team)
+    if limit is None or team_used.get(jd.job.team, 0) + more <= limit:
+        return None
+    return f"team {jd.job.team} holds {team_used.get(jd.job.team, 0)} of its limit of {_slots_text(limit)}"
+
+
+def _unplaced_reason(jd: JobData, left: int, cap_reached: int | None, team: str | None = None) -> str:
     """Why a job got no slots, given the slots ``left`` free for its TP size (``cap_reached``:
-    the changed-jobs cap when the plan used it up, else None)."""
+    the changed-jobs cap when the plan used it up, else None; ``team``: its team's limit, when
+    that keeps it out)."""
     job = jd.job
     if job.pinned:
         return "pinned while not running"
+    if team is not None:
+        return team
     if left < jd.sizes[0]:
         return f"needs at least {_slots_text(jd.sizes[0])}, only {left} left free"
     if cap_reached is not None and not jd.forced:
@@ -75,6 +86,7 @@ def job_reasons(data: Problem, result: Mapping[str, dict[str, int]]) -> dict[str
     cap = data.request.max_changed_jobs
     voluntary = sum(1 for jd in data.jobs if domain.is_changed(jd.job, result[jd.job.job_id]) and not jd.forced)
     left_by_tp: dict[int, int] = {}
+    team_used = teams.usage((jd.job for jd in data.jobs), {j: sum(slots.values()) for j, slots in result.items()})
     reasons: dict[str, str] = {}
     for jd in data.jobs:
         job, new = jd.job, result[jd.job.job_id]
@@ -93,7 +105,8 @@ def job_reasons(data: Problem, result: Mapping[str, dict[str, int]]) -> dict[str
         if new_size == 0:
             if tp not in left_by_tp:
                 left_by_tp[tp] = sum((n.slots - used[n.node_id]) // tp * tp for n in data.healthy)
-            why = _unplaced_reason(jd, left_by_tp[tp], cap if cap is not None and voluntary >= cap else None)
+            team = _team_limit_text(data, jd, team_used, jd.sizes[0])
+            why = _unplaced_reason(jd, left_by_tp[tp], cap if cap is not None and voluntary >= cap else None, team)
             if not cur:
                 reasons[job.job_id] = f"not started: {why}"
             else:
@@ -110,7 +123,8 @@ def job_reasons(data: Problem, result: Mapping[str, dict[str, int]]) -> dict[str
                 for other in data.jobs
                 if other is not jd
             )
-            why = cause or ("slots given to other jobs" if others_gain else "fewer ranks are worth more to it")
+            team = _team_limit_text(data, jd, team_used, cur_size - new_size)
+            why = cause or team or ("slots given to other jobs" if others_gain else "fewer ranks are worth more to it")
             reasons[job.job_id] = f"shrunk from {cur_size} to {_slots_text(new_size)}: {why}"
         elif new_size > cur_size:
             gained = [n for n, s in new.items() if s > cur.get(n, 0)]

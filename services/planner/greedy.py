@@ -7,7 +7,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Mapping
 
-from services.planner import domain, dp
+from services.planner import domain, dp, teams
 from services.planner.problem import (
     JobData,
     Placement,
@@ -132,6 +132,9 @@ class _Greedy:
         self.free = FreeSlots(data, self.placement)
         self.cap = data.request.max_changed_jobs
         self.changes = 0
+        # Slots each limited team may still take (teams.py).
+        self.team_room = dict(data.request.team_limits)
+        self.pool_slots = sum(node.slots for node in data.healthy)
 
     def target(self, jd: JobData) -> int | None:
         return None if self.targets is None or jd.job.pinned else self.targets.get(jd.job.job_id)
@@ -143,8 +146,14 @@ class _Greedy:
         """Whether changing ``jd`` (not changed yet) would pass the changed-jobs cap."""
         return self.cap is not None and self.changes >= self.cap and self.unchanged(jd)
 
+    def room_of_team(self, jd: JobData) -> int:
+        """Slots ``jd`` may add within its team's limit (the pool's size without one)."""
+        return self.team_room.get(jd.job.team, self.pool_slots)
+
     def assign(self, jd: JobData, slots: dict[str, int]) -> None:
         was = self.unchanged(jd)
+        if jd.job.team in self.team_room:
+            self.team_room[jd.job.team] -= sum(slots.values()) - sum(self.placement[jd.job.job_id].values())
         self.placement[jd.job.job_id] = slots
         if was and not self.unchanged(jd):
             self.changes += 1
@@ -156,6 +165,8 @@ class _Greedy:
         for jd in keepers:
             job = jd.job
             if self.target(jd) not in (None, job.current_size):
+                continue
+            if job.current_size > self.room_of_team(jd):
                 continue
             if job.pinned or not job.preemptible or domain.job_value(job, job.current, self.horizon) > 0:
                 if all(free.free[free.index[n]] >= s for n, s in job.current.items()):
@@ -174,6 +185,7 @@ class _Greedy:
             held = sum(min(job.current[n], free.free[free.index[n]]) // tp for n in jd.own)
             target = self.target(jd)
             limit = min(tp * held, target or 0) if target is not None else tp * held
+            limit = min(limit, self.room_of_team(jd))
             best = max((x for x, v in jd.stay_value.items() if x <= limit and v > 0), default=0)
             need, slots = best // tp, {}
             for n in jd.own:
@@ -191,7 +203,7 @@ class _Greedy:
             if job.preemptible or job.pinned or self.placement[job.job_id] or not jd.move_value:
                 continue
             start = min(jd.move_value) // jd.tp
-            if start <= self.free.room(jd.tp):
+            if start <= self.free.room(jd.tp) and start * jd.tp <= self.room_of_team(jd):
                 slots: dict[str, int] = {}
                 place(self.free, slots, jd.tp, start, jd.own)
                 self.assign(jd, slots)
@@ -203,7 +215,8 @@ class _Greedy:
             if not want or want <= size or self.capped(jd):
                 continue
             room = self.free.room(jd.tp)
-            fits = [x for x in jd.sizes if size < x <= want and (x - size) // jd.tp <= room]
+            team = self.room_of_team(jd)
+            fits = [x for x in jd.sizes if size < x <= want and (x - size) // jd.tp <= room and x - size <= team]
             if fits:
                 slots = dict(now)
                 place(self.free, slots, jd.tp, (fits[-1] - size) // jd.tp, jd.own)
@@ -231,11 +244,12 @@ class _Greedy:
         room, own_room = self.free.room(tp), sum(self.free.free[self.free.index[n]] // tp for n in jd.own)
         stays = all(n in job.current for n in now)
         best: tuple[float, int] | None = None
+        team = self.room_of_team(jd)
         for x in jd.sizes:
             if x <= size:
                 continue
             groups = (x - size) // tp
-            if groups > room:
+            if groups > room or x - size > team:
                 break
             if stays and groups <= own_room:
                 value = self._grown_value(jd, now, groups)
@@ -299,16 +313,24 @@ def polish(data: Problem, placement: Placement) -> Placement:
         for n, s in slots.items():
             used[n] += s
     out = dict(placement)
+    team_room = {
+        team: data.request.team_limits[team] - sum(sum(out[job.job_id].values()) for job in jobs)
+        for team, jobs in teams.limited(data.request).items()
+    }
     for jd in data.jobs:
         job = jd.job
         new, cur = out[job.job_id], job.current
         if not jd.in_place or job.pinned or new == cur:
             continue
         fits = all(used[n] - new.get(n, 0) + s <= data.nodes[n].slots for n, s in cur.items())
+        grows = job.current_size - sum(new.values())
+        fits = fits and grows <= team_room.get(job.team, grows)
         if fits and domain.job_value(job, cur, data.horizon) >= domain.job_value(job, new, data.horizon):
             for n, s in new.items():
                 used[n] -= s
             for n, s in cur.items():
                 used[n] += s
+            if job.team in team_room:
+                team_room[job.team] -= grows
             out[job.job_id] = dict(cur)
     return out

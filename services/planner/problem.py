@@ -9,7 +9,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from services.planner import domain
+from services.planner import domain, teams
 from services.planner.domain import Job, Node, PlanRequest
 
 # The largest objective term maps to this many integer units (see the module docstring).
@@ -155,12 +155,28 @@ def infeasible_reason(data: Problem) -> str | None:
     room = sum(node.slots for node in data.healthy)
     if must > room:
         return f"non-preemptible: pinned and non-preemptible jobs need {must} slots, healthy nodes hold {room}"
+    over_limit = _team_over_limit(data)
+    if over_limit is not None:
+        return over_limit
     cap = data.request.max_changed_jobs
     if cap is not None and len(must_start) > cap:
         return (
             f"max_changed_jobs: {len(must_start)} non-preemptible jobs must start"
             f" ({', '.join(must_start[:5])}{', ...' if len(must_start) > 5 else ''}), cap is {cap}"
         )
+    return None
+
+
+def _team_over_limit(data: Problem) -> str | None:
+    """A team whose pinned and non-preemptible jobs alone need more than its limit."""
+    sizes = {jd.job.job_id: jd.job.current_size if jd.job.pinned else jd.sizes[0] for jd in data.jobs}
+    for team, jobs in teams.limited(data.request).items():
+        need = sum(sizes[job.job_id] for job in jobs if job.pinned or not job.preemptible)
+        if need > data.request.team_limits[team]:
+            return (
+                f"team_limits: team {team!r}'s pinned and non-preemptible jobs need {need} slots,"
+                f" its limit is {data.request.team_limits[team]}"
+            )
     return None
 
 

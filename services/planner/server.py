@@ -75,6 +75,7 @@ def _job_from_proto(j: pb.PlanJob, path: str) -> domain.Job:
             pinned=j.pinned,
             transition=transition,
             shard_degree=j.shard_degree,
+            team=j.team,
         )
 
 
@@ -118,6 +119,7 @@ def request_from_proto(message: pb.PlanRequest, limits: Limits) -> domain.PlanRe
                 max_changed_jobs=message.max_changed_jobs or None,
                 seed=message.seed,
                 workers=limits.workers,
+                team_limits=dict(message.team_limits),
             )
         domain.validate(request)
     except ValueError as exc:

@@ -81,11 +81,11 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ortools.sat.python import cp_model
 
-from services.planner import domain
+from services.planner import domain, teams
 from services.planner.domain import PlanRequest, PlanResult
 from services.planner.explain import plan_result
 from services.planner.greedy import greedy_plan, pack, polish, size_only_targets
@@ -113,6 +113,7 @@ class Model:
     explicit: dict[str, dict[str, cp_model.IntVar]]  # explicit mode: job -> foreign node -> groups
     typed: dict[tuple[str, int], cp_model.IntVar]  # typed mode: (node, TP) -> pooled groups there
     patterns: dict[int, list[tuple[dict[int, int], cp_model.IntVar]]]  # typed: slots -> (pattern, nodes)
+    size: dict[str, cp_model.LinearExprT] = field(default_factory=dict)  # job -> its size in slots
 
 
 def _scaled(data: Problem, value: float) -> int:
@@ -141,6 +142,7 @@ def _build_model(data: Problem, *, with_cap: bool = True) -> Model:
             model.add_exactly_one(choices)
         sizes = [*stay, *move]
         model.add(tp * (sum(own.values()) + pool) == cp_model.LinearExpr.weighted_sum(choices, sizes))
+        m.size[jid] = cp_model.LinearExpr.weighted_sum(choices, sizes)
         # Pooled groups only under "move", at least one and at most the size's groups. (Tighter
         # in the LP relaxation than a big-M "stay => pool == 0".)
         move_groups = cp_model.LinearExpr.weighted_sum(list(move.values()), [min(x // tp, pool_max) for x in move])
@@ -172,11 +174,19 @@ def _build_model(data: Problem, *, with_cap: bool = True) -> Model:
                 for var in choices:
                     model.add(var == 0)
     _CAPACITY_MODELS.get(data.capacity, _add_explicit_capacity)(data, m)
+    _add_team_limits(data, m)
     cap = data.request.max_changed_jobs
     if with_cap and cap is not None and changed_terms:
         model.add(sum(changed_terms) <= cap)
     model.maximize(cp_model.LinearExpr.weighted_sum(objective_vars, objective_coefs))
     return m
+
+
+def _add_team_limits(data: Problem, m: Model) -> None:
+    """Each limited team's jobs hold at most its limit together (teams.py)."""
+    for team, jobs in teams.limited(data.request).items():
+        if jobs:
+            m.model.add(sum(m.size[job.job_id] for job in jobs) <= data.request.team_limits[team])
 
 
 def _add_pooled_capacity(data: Problem, m: Model) -> None:
@@ -553,6 +563,11 @@ def plan_sizes(request: PlanRequest) -> SizePlan:
     if pairs:
         used = cp_model.LinearExpr.weighted_sum([v for v, _ in pairs], [x for _, x in pairs])
         model.add(used <= domain.healthy_slots(request))
+    for team, jobs in teams.limited(request).items():
+        mine = [(choose[job.job_id][x], x) for job in jobs for x in choose[job.job_id] if x]
+        if mine:
+            used = cp_model.LinearExpr.weighted_sum([v for v, _ in mine], [x for _, x in mine])
+            model.add(used <= request.team_limits[team])
     terms = [(var, round(options[j][x] * scale)) for j, by_size in choose.items() for x, var in by_size.items()]
     model.maximize(cp_model.LinearExpr.weighted_sum([v for v, _ in terms], [c for _, c in terms]))
     solver = cp_model.CpSolver()

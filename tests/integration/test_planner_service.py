@@ -78,6 +78,21 @@ def test_an_infeasible_request_is_a_reply_naming_the_constraint(
     assert "pinned" in reply.reason and "n2" in reply.reason
 
 
+def test_a_teams_limit_holds_its_jobs_together(planner: planner_service_pb2_grpc.PlannerServiceStub) -> None:
+    """Team vision may hold 8 slots: its two jobs share them, however heavy; nlp's job takes
+    what is left."""
+    request = cluster(
+        job("v1", team="vision", weight=5.0, preemptible=True),
+        job("v2", team="vision", weight=5.0, preemptible=True),
+        job("n1", team="nlp", preemptible=True),
+    )
+    request.team_limits["vision"] = 8
+    reply = planner.Plan(request, timeout=30)
+    assert reply.status == pb.SOLVE_STATUS_OPTIMAL, reply.reason
+    sizes = {p.job_id: p.size for p in reply.jobs}
+    assert sizes["v1"] + sizes["v2"] == 8 and sizes["n1"] == 16
+
+
 def with_nodes(request: pb.PlanRequest, *nodes: pb.PlanNode) -> pb.PlanRequest:
     request.nodes.extend(nodes)
     return request
@@ -99,6 +114,7 @@ BAD = [
     (cluster(job(current={"n1": 10})), "request.jobs[0].current"),
     (cluster(job(current={"n1": 6}), job("b", current={"n1": 4})), "request.jobs"),
     (cluster(job(transition=pb.TransitionCosts(state_bytes=-1.0))), "request.jobs[0].transition.state_bytes"),
+    (pb.PlanRequest(team_limits={"": 4}), "request.team_limits"),
 ]
 
 

@@ -104,9 +104,19 @@ def _size_requests(draw: st.DrawFn) -> PlanRequest:
                     migrate_s=draw(st.sampled_from([0.0, 60.0, 3000.0])),
                     state_bytes=draw(st.sampled_from([0.0, 1e12])),
                 ),
+                team=draw(st.sampled_from(["", "a", "a", "b"])),
             )
         )
-    return PlanRequest(tuple(nodes), tuple(jobs), draw(st.sampled_from([0.0, 1e-4, 1e-2])), relative_gap=0.0)
+    limits = draw(
+        st.one_of(
+            st.just({}),
+            st.fixed_dictionaries({"a": st.integers(0, 16)}),
+            st.fixed_dictionaries({"a": st.integers(0, 16), "b": st.integers(0, 16)}),
+        )
+    )
+    return PlanRequest(
+        tuple(nodes), tuple(jobs), draw(st.sampled_from([0.0, 1e-4, 1e-2])), relative_gap=0.0, team_limits=limits
+    )
 
 
 @settings(

@@ -471,6 +471,7 @@ def _tiny_requests(draw: st.DrawFn) -> PlanRequest:
                 preemptible=draw(st.sampled_from([True, True, True, False])),
                 pinned=draw(st.sampled_from([False, False, False, False, True])),
                 transition=draw(_transitions),
+                team=draw(_teams),
             )
         )
     return PlanRequest(
@@ -479,6 +480,20 @@ def _tiny_requests(draw: st.DrawFn) -> PlanRequest:
         draw(st.sampled_from([0.0, 1e-4, 1e-2])),
         max_changed_jobs=draw(st.sampled_from([None, None, 0, 1])),
         relative_gap=0.0,
+        team_limits=draw(_team_limits(6)),
+    )
+
+
+# Teams: most jobs in team a, some in b or none; a limit for a (0 included: none may run), and
+# sometimes for b (teams.py).
+_teams = st.sampled_from(["", "a", "a", "b"])
+
+
+def _team_limits(largest: int) -> st.SearchStrategy[dict[str, int]]:
+    return st.one_of(
+        st.just({}),
+        st.fixed_dictionaries({"a": st.integers(0, largest)}),
+        st.fixed_dictionaries({"a": st.integers(0, largest), "b": st.integers(0, largest)}),
     )
 
 
