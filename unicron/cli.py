@@ -22,7 +22,7 @@ from unicron import failures, jobspec
 from unicron.client import DEFAULT_COORDINATOR, ClientError, UnicronClient
 from unicron.errors import InvalidArgument, UnicronError
 from unicron.faults import FAULT_NAMES, parse_fault
-from unicron.job_view import print_job, remedy_name, state_name
+from unicron.job_view import QUEUE_HEADERS, QUOTA_HEADERS, print_job, queue_row, quota_row, remedy_name, state_name
 from unicron.v1 import common_pb2, job_service_pb2, logs_pb2
 
 SIMULATE_HELP = "replay a failure trace over a modeled cluster under each recovery strategy"
@@ -171,22 +171,6 @@ def print_cluster(cluster: job_service_pb2.GetClusterResponse, out: TextIO) -> N
 
 
 JOB_HEADERS = ["ID", "NAME", "STATE", "ITERATION", "LOSS", "PLACEMENT", "SUBMITTED"]
-QUEUE_HEADERS = ["#", "ID", "NAME", "CLASS", "WEIGHT", "SLOTS", "WAITED", "WAITING FOR"]
-
-
-def queue_row(entry: job_service_pb2.QueueEntry) -> list[str]:
-    """One waiting job; another user's shows as "(another user's)", its place and class only."""
-    mine = bool(entry.job_id)
-    return [
-        str(entry.position),
-        entry.job_id or "-",
-        entry.name if mine else "(another user's)",
-        entry.priority_class or "-",
-        f"{entry.weight:g}",
-        str(entry.min_slots),
-        f"{entry.waited_seconds:.0f}s",
-        entry.waiting_for if mine else "-",
-    ]
 
 
 class ProgressView:
@@ -284,6 +268,7 @@ def build_parser(simulate: bool = False) -> argparse.ArgumentParser:
         help="the waiting jobs in the order the planner prefers them (heavier class first, then the longer"
         " waiting), each with what it waits for",
     )
+    sub.add_parser("quota", help="each team's quota: its guarantee, what it may borrow, what it holds and borrows")
     for name, text in (("get", "show one job"), ("watch", "follow a job until it ends")):
         cmd = sub.add_parser(name, help=text)
         cmd.add_argument("job", help="job id or name")
@@ -417,6 +402,18 @@ def _queue(client: UnicronClient, args: argparse.Namespace, out: TextIO) -> int:
     return _listing(entries, [queue_row(e) for e in entries], QUEUE_HEADERS, args, out)
 
 
+def _quota(client: UnicronClient, args: argparse.Namespace, out: TextIO) -> int:
+    reply = client.quotas()
+    if not reply.teams and not args.json:
+        out.write("no team quotas on this cluster\n")
+        return 0
+    code = _listing(list(reply.teams), [quota_row(t) for t in reply.teams], QUOTA_HEADERS, args, out)
+    if not args.json:
+        promised = sum(t.guarantee for t in reply.teams)
+        out.write(f"guarantees: {promised} of the cluster's {reply.cluster_slots} healthy slots\n")
+    return code
+
+
 def _get(client: UnicronClient, args: argparse.Namespace, out: TextIO) -> int:
     job = client.get(args.job)
     return _one(job, lambda: print_job(job, out), args, out)
@@ -520,6 +517,7 @@ COMMANDS: dict[str, Callable[[UnicronClient, argparse.Namespace, TextIO], int]] 
     "submit": _submit,
     "jobs": _jobs,
     "queue": _queue,
+    "quota": _quota,
     "get": _get,
     "watch": lambda client, args, out: watch_job(client, args.job, out, args.json),
     "cancel": _cancel,

@@ -20,7 +20,7 @@ LOGS_TIMEOUT_S = 300.0
 # address with nothing behind it should. Only reads: sending them twice changes nothing.
 FAILOVER_S = 10.0
 FAILOVER_RETRY_S = 0.25
-_READS = frozenset({"GetJob", "ListJobs", "ListQueue", "ListNodes", "ListIncidents", "GetCluster"})
+_READS = frozenset({"GetJob", "ListJobs", "ListQueue", "ListQuotas", "ListNodes", "ListIncidents", "GetCluster"})
 
 
 class ClientError(Exception):
@@ -93,6 +93,12 @@ class UnicronClient:
         reply = self._call("ListJobs", job_service_pb2.ListJobsRequest(states=states or []))
         assert isinstance(reply, job_service_pb2.ListJobsResponse)
         return list(reply.jobs)
+
+    def quotas(self) -> job_service_pb2.ListQuotasResponse:
+        """Each team's quota and what its jobs hold now."""
+        reply = self._call("ListQuotas", job_service_pb2.ListQuotasRequest())
+        assert isinstance(reply, job_service_pb2.ListQuotasResponse)
+        return reply
 
     def queue(self) -> list[job_service_pb2.QueueEntry]:
         """The waiting jobs in the order the planner prefers them."""

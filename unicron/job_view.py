@@ -1,5 +1,6 @@
 """A job as people read it (`unicron get`, the demo's summary): its state, shape, program,
-the optimization it runs, its progress, placement, remedies and history."""
+the optimization it runs, its progress, placement, remedies and history; and the rows of
+`unicron queue` and `unicron quota`."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import time
 from typing import TextIO
 
 from unicron import jobspec
-from unicron.v1 import common_pb2
+from unicron.v1 import common_pb2, job_service_pb2
 
 
 def state_name(state: int) -> str:
@@ -142,3 +143,34 @@ def copies_line(assignment: common_pb2.Assignment) -> str:
     kept = [(rank, by) for rank, by in enumerate(assignment.copy_kept_by) if by >= 0]
     shown = ", ".join(f"{rank}->{by}" for rank, by in kept[:8]) + (", ..." if len(kept) > 8 else "")
     return assignment.copies + (f" (rank -> keeper: {shown})" if shown else "")
+
+
+QUEUE_HEADERS = ["#", "ID", "NAME", "CLASS", "TEAM", "WEIGHT", "SLOTS", "WAITED", "WAITING FOR"]
+QUOTA_HEADERS = ["TEAM", "GUARANTEE", "MAY BORROW", "USED", "BORROWED", "WAITING JOBS"]
+
+
+def quota_row(team: job_service_pb2.TeamQuota) -> list[str]:
+    return [
+        team.team,
+        str(team.guarantee),
+        "any idle" if team.borrow_unlimited else str(team.borrow_limit),
+        str(team.used),
+        str(team.borrowed),
+        str(team.waiting_jobs),
+    ]
+
+
+def queue_row(entry: job_service_pb2.QueueEntry) -> list[str]:
+    """One waiting job; another user's shows as "(another user's)", its place and class only."""
+    mine = bool(entry.job_id)
+    return [
+        str(entry.position),
+        entry.job_id or "-",
+        entry.name if mine else "(another user's)",
+        entry.priority_class or "-",
+        entry.team or "-",
+        f"{entry.weight:g}",
+        str(entry.min_slots),
+        f"{entry.waited_seconds:.0f}s",
+        entry.waiting_for if mine else "-",
+    ]

@@ -200,6 +200,8 @@ class LocalCluster:
     # (empty) when False, or when the coordinators run in network namespaces.
     metrics: bool = True
     metrics_address: str = ""
+    # The coordinator's --quotas-file (services/coordinator/quotas.py); None: no team quotas.
+    quotas_file: Path | None = None
     services: list[Service] = field(default_factory=list)
     pki: DevPKI | None = None
     _redis: LocalRedis | None = None
@@ -320,6 +322,7 @@ class LocalCluster:
                 "--lease-ttl-s",
                 str(self.lease_ttl()),
                 *(["--tokens-file", str(self.pki.tokens_file)] if self.pki is not None else []),
+                *(["--quotas-file", str(self.quotas_file)] if self.quotas_file is not None else []),
             ]
             # The first becomes active; the others start once it serves, as standbys.
             self._wait_ready([self._spawn("coordinator", "services.coordinator", coordinator_args)], timeout_s)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import redis
 import yaml
 
-from services.coordinator import priority
+from services.coordinator import priority, quotas
 from services.coordinator.coordinator import Coordinator, Settings
 from services.coordinator.ladder import LadderPolicy
 from services.coordinator.lease import DEFAULT_TTL_S, EXIT_LEASE_LOST, Lease, LeaseKeeper, lease_client
@@ -84,13 +84,18 @@ class CoordinatorConfig(TLSConfig):
     )
     tokens_file: str = setting(
         "",
-        "users' tokens and the agents' join token (YAML: join_token, users: [{name, token, admin}]; "
+        "users' tokens and the agents' join token (YAML: join_token, users: [{name, token, admin, team}]; "
         "make certs writes one); required with TLS, and with --plaintext and none no one is authenticated",
     )
     priority_classes_file: str = setting(
         "",
         "the priority classes jobs name (YAML: classes: {NAME: {weight, preemptible}}, default: NAME); empty: the"
         " built-in production (weight 10), research (1, the default) and best-effort (0.1, preemptible)",
+    )
+    quotas_file: str = setting(
+        "",
+        "the teams' quotas (YAML: teams: {NAME: {guarantee: SLOTS, borrow_limit: SLOTS}}; no borrow_limit: any idle"
+        " slots); users join teams in the tokens file (team: NAME); empty: no team is limited",
     )
     metrics_bind: str = setting(
         DEFAULT_BIND,
@@ -111,6 +116,11 @@ class CoordinatorConfig(TLSConfig):
                 priority.load(self.priority_classes_file)
             except (OSError, ValueError, yaml.YAMLError) as exc:
                 require(False, "priority_classes_file", str(exc))
+        if self.quotas_file:
+            try:
+                quotas.load(self.quotas_file)
+            except (OSError, ValueError, yaml.YAMLError) as exc:
+                require(False, "quotas_file", str(exc))
         require(":" in self.bind, "bind", "must be host:port")
         require(
             self.redis_url.startswith(("redis://", "rediss://", "unix://")),
@@ -179,6 +189,7 @@ def setup(
             priority_classes=priority.load(config.priority_classes_file)
             if config.priority_classes_file
             else priority.BUILT_IN,
+            quotas=quotas.load(config.quotas_file) if config.quotas_file else quotas.NONE,
         ),
         agent_security=config.client(),  # agents admit its certificate to read their logs
     )
@@ -189,6 +200,7 @@ def setup(
             coordinator.registry.nodes(),
             coordinator.ctx.settings.priority_classes.classes,
             coordinator.ctx.clock(),
+            coordinator.ctx.settings.quotas,
         ),
     )
     if config.metrics_bind:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from services.coordinator.ladder import LadderPolicy
 from services.coordinator.metrics import CoordinatorMetrics
 from services.coordinator.priority import BUILT_IN, PriorityClasses
+from services.coordinator.quotas import NONE, Quotas
 from services.coordinator.store import Store
 from unicron.monitor import MonitorSettings
 from unicron.v1 import common_pb2
@@ -35,6 +36,8 @@ class Settings:
     reform_restarts: bool = True
     # The priority classes a job names (priority.py): its weight and whether it may be preempted.
     priority_classes: PriorityClasses = BUILT_IN
+    # The teams' quotas (quotas.py); none: no team is limited.
+    quotas: Quotas = NONE
 
 
 @dataclass

@@ -87,8 +87,8 @@ class Coordinator:
 
     # ---- job API ----------------------------------------------------------------------
 
-    def submit(self, spec: common_pb2.JobSpec, owner: str = "", admin: bool = True) -> common_pb2.Job:
-        return self.jobs.submit(spec, owner, admin)
+    def submit(self, spec: common_pb2.JobSpec, owner: str = "", admin: bool = True, team: str = "") -> common_pb2.Job:
+        return self.jobs.submit(spec, owner, admin, team)
 
     def get(self, job_id: str, scope: str | None = None) -> common_pb2.Job:
         return self.jobs.get(job_id, scope)
@@ -98,6 +98,9 @@ class Coordinator:
 
     def queue(self, scope: str | None = None) -> list[job_service_pb2.QueueEntry]:
         return self.jobs.queue(scope)
+
+    def quotas(self) -> job_service_pb2.ListQuotasResponse:
+        return self.jobs.quotas()
 
     def cancel(self, job_id: str, reason: str, scope: str | None = None) -> common_pb2.Job:
         return self.jobs.cancel(job_id, reason, scope)

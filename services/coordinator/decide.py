@@ -99,6 +99,7 @@ def plan_request(
     time_limit_s: float,
     hit: Iterable[str] = (),
     quiet: Iterable[str] = (),
+    team_limits: Mapping[str, int] | None = None,
 ) -> planner_service_pb2.PlanRequest:
     """The planner's view of the whole cluster: every active job may be resized or moved
     (what that costs is in its transition estimate, so jobs left alone stay where they
@@ -112,6 +113,7 @@ def plan_request(
     request = planner_service_pb2.PlanRequest(
         failure_rate_per_node_per_second=failure_rate_per_node_per_s,
         time_limit_seconds=time_limit_s,
+        team_limits=team_limits or {},
     )
     for node in nodes:
         request.nodes.add(
@@ -136,6 +138,7 @@ def plan_request(
             hit_by_failure=job.job_id in hit,
             throughput=dict(job.spec.throughput),
             shard_degree=par.shard_degree,
+            team=job.team,
         )
         if not job.spec.throughput:
             plan_job.measured_throughput.update(job.progress.measured_flops_per_second)

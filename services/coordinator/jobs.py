@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 
-from services.coordinator import cost, priority, queue, state, transitions
+from services.coordinator import cost, priority, queue, quotas, state, transitions
 from services.coordinator.context import Context
 from services.coordinator.events import EventType, event
 from services.coordinator.registry import NodeRegistry
@@ -33,8 +33,9 @@ class Jobs:
         self._registry = registry
         self._replanner = replanner
 
-    def submit(self, spec: common_pb2.JobSpec, owner: str = "", admin: bool = True) -> common_pb2.Job:
-        """``admin``: the caller may set a raw weight (priority.apply)."""
+    def submit(self, spec: common_pb2.JobSpec, owner: str = "", admin: bool = True, team: str = "") -> common_pb2.Job:
+        """``admin``: the caller may set a raw weight (priority.apply); ``team``: the owner's,
+        whose quota the job counts against (quotas.py)."""
         spec = priority.apply(jobspec.normalized(spec), self._ctx.settings.priority_classes, admin)
         nodes = self._registry.nodes()
         if spec.program.image:
@@ -63,8 +64,9 @@ class Jobs:
                 f"cluster has {capacity} across {len(nodes)} nodes"
                 + (f" in whole tensor-parallel groups of {tensor}" if tensor > 1 else "")
             )
+        self._ctx.settings.quotas.check_submit(team, admin, needed)
         now = self._ctx.clock()
-        job = common_pb2.Job(job_id=new_job_id(), spec=spec, owner=owner)
+        job = common_pb2.Job(job_id=new_job_id(), spec=spec, owner=owner, team=team)
         job.created.FromNanoseconds(int(now * 1e9))
         job.state = state.PENDING
         job.reason = "waiting for slots"
@@ -89,7 +91,12 @@ class Jobs:
 
     def queue(self, scope: str | None = None) -> list[job_service_pb2.QueueEntry]:
         """The waiting jobs in the order the planner prefers them (queue.py)."""
-        return queue.entries(self._ctx.store.list_jobs(), self._ctx.clock(), scope)
+        return queue.entries(self._ctx.store.list_jobs(), self._ctx.clock(), scope, self._ctx.settings.quotas)
+
+    def quotas(self) -> job_service_pb2.ListQuotasResponse:
+        """Each team's quota and use (quotas.py); the cluster's healthy slots beside them."""
+        healthy = sum(n.slots for n in self._registry.nodes() if n.state == common_pb2.NODE_STATE_READY)
+        return quotas.report(self._ctx.settings.quotas, self._ctx.store.list_jobs(), healthy)
 
     def cancel(self, job_id: str, reason: str, scope: str | None = None) -> common_pb2.Job:
         job_id = self.get(job_id, scope).job_id

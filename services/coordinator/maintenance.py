@@ -116,5 +116,6 @@ class Maintenance:
             settings.plan_time_limit_s,
             decide.hit_jobs(jobs, nodes),
             quiet,
+            settings.quotas.limits(),
         )
         return self._planner.plan(request)

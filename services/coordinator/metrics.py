@@ -23,7 +23,7 @@ from opentelemetry.sdk.metrics import MeterProvider as SdkMeterProvider
 from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
 from opentelemetry.sdk.resources import Resource
 
-from services.coordinator import queue
+from services.coordinator import queue, quotas
 from unicron import failures
 from unicron.v1 import common_pb2 as pb
 from unicron.v1 import job_service_pb2
@@ -87,20 +87,26 @@ NODE_STATES = _state_names(pb.NodeState, "NODE_STATE_")
 
 @dataclass(frozen=True)
 class Census:
-    """How many jobs and nodes are in each state (lower-case state names), and per priority
-    class how many jobs wait and the longest wait in seconds."""
+    """How many jobs and nodes are in each state (lower-case state names), per priority
+    class how many jobs wait and the longest wait in seconds, and per team its quota's slots
+    (guarantee, borrow_limit where it has one) and its jobs' (used, borrowed)."""
 
     jobs: Mapping[str, int] = field(default_factory=dict)
     nodes: Mapping[str, int] = field(default_factory=dict)
     waiting: Mapping[str, tuple[int, float]] = field(default_factory=dict)
+    teams: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
 
 
 def census(
-    jobs: Iterable[pb.Job], nodes: Iterable[pb.Node], classes: Iterable[str] = (), now: float | None = None
+    jobs: Iterable[pb.Job],
+    nodes: Iterable[pb.Node],
+    classes: Iterable[str] = (),
+    now: float | None = None,
+    limits: quotas.Quotas = quotas.NONE,
 ) -> Census:
     """Every stored job and node counted by state; every state present, 0 when none is in it,
     so that a dashboard's series do not vanish. With ``now``, the waiting jobs by priority
-    class (every class in ``classes`` present)."""
+    class (every class in ``classes`` present). Every team of ``limits`` with its slots."""
     jobs = list(jobs)
     by_job = dict.fromkeys(JOB_STATES, 0)
     for job in jobs:
@@ -119,7 +125,15 @@ def census(
                 count, longest = waiting.get(job.spec.priority_class, (0, 0.0))
                 waited = max(0.0, now - queue.waiting_since(job))
                 waiting[job.spec.priority_class] = (count + 1, max(longest, waited))
-    return Census(by_job, by_node, waiting)
+    used = quotas.used_slots(jobs)
+    teams = {}
+    for name, quota in limits.teams.items():
+        slots = {"guarantee": quota.guarantee, "used": used.get(name, 0)}
+        slots["borrowed"] = max(0, slots["used"] - quota.guarantee)
+        if quota.borrow_limit is not None:
+            slots["borrow_limit"] = quota.borrow_limit
+        teams[name] = slots
+    return Census(by_job, by_node, waiting, teams)
 
 
 class CoordinatorMetrics:
@@ -246,6 +260,12 @@ class CoordinatorMetrics:
             description="The longest a job of the priority class has waited so far (0: none waits)",
         )
         meter.create_observable_gauge(
+            "unicron.team.slots",
+            callbacks=[self._observe_team_slots],
+            unit="{slot}",
+            description="Each team's quota and use in slots, by kind: guarantee, borrow_limit, used, borrowed",
+        )
+        meter.create_observable_gauge(
             "unicron.nodes",
             callbacks=[self._observe_node_states],
             unit="{node}",
@@ -301,6 +321,10 @@ class CoordinatorMetrics:
 
     def _observe_queue_wait(self, options: CallbackOptions) -> Iterable[Observation]:
         return [Observation(s, {"priority_class": c}) for c, (_, s) in self._current()[1].waiting.items()]
+
+    def _observe_team_slots(self, options: CallbackOptions) -> Iterable[Observation]:
+        teams = self._current()[1].teams
+        return [Observation(n, {"team": t, "kind": k}) for t, slots in teams.items() for k, n in slots.items()]
 
     def _observe_node_states(self, options: CallbackOptions) -> Iterable[Observation]:
         return [Observation(n, {"state": state}) for state, n in self._current()[1].nodes.items()]

@@ -38,6 +38,7 @@ METRICS = {
     "unicron_nodes": "gauge",  # {state}
     "unicron_queue_jobs": "gauge",  # {priority_class}
     "unicron_queue_wait_seconds": "gauge",  # {priority_class}
+    "unicron_team_slots": "gauge",  # {team, kind}
     "unicron_incidents": "counter",  # {kind, severity}
     "unicron_incident_detection_seconds": "histogram",  # {kind, remedy}
     "unicron_incident_transition_seconds": "histogram",  # {kind, remedy}

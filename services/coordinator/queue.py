@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from services.coordinator import state
+from services.coordinator import quotas, state
 from unicron import jobspec
 from unicron.v1 import common_pb2, job_service_pb2
 
@@ -25,9 +25,14 @@ def waiting_since(job: common_pb2.Job) -> float:
     return float(job.created.ToNanoseconds()) / 1e9
 
 
-def entries(jobs: Iterable[common_pb2.Job], now: float, scope: str | None) -> list[job_service_pb2.QueueEntry]:
+def entries(
+    jobs: Iterable[common_pb2.Job], now: float, scope: str | None, limits: quotas.Quotas = quotas.NONE
+) -> list[job_service_pb2.QueueEntry]:
     """The waiting jobs in order. ``scope``: whose jobs the caller may see by name (None:
-    all); another's shows its place, class, weight and wait only."""
+    all); another's shows its place, class, team, weight and wait only. A job its team's quota
+    keeps waiting says so (``limits``: the teams' quotas)."""
+    jobs = list(jobs)
+    used = quotas.used_slots(jobs)
     waiting = [job for job in jobs if job.state == state.PENDING]
     waiting.sort(key=lambda job: (-job.spec.weight, waiting_since(job), job.job_id))
     out = []
@@ -38,8 +43,10 @@ def entries(jobs: Iterable[common_pb2.Job], now: float, scope: str | None) -> li
             weight=job.spec.weight,
             waited_seconds=round(max(0.0, now - waiting_since(job)), 3),
             min_slots=jobspec.world_size(job.spec, job.spec.parallelism.min_data),
+            team=job.team,
         )
         if scope is None or job.owner == scope:
-            entry.job_id, entry.name, entry.owner, entry.waiting_for = job.job_id, job.spec.name, job.owner, job.reason
+            why = quotas.waiting_reason(limits, job, used, entry.min_slots) or job.reason
+            entry.job_id, entry.name, entry.owner, entry.waiting_for = job.job_id, job.spec.name, job.owner, why
         out.append(entry)
     return out

@@ -167,6 +167,7 @@ class Replanner:
         self.planner = planner
         self._registry = registry
         self.schedule = Schedule(ctx.settings.replan_backoff_max_s)
+        self._oversubscribed: str | None = None  # what was last said of the quotas
 
     def want(self, reason: str) -> None:
         self.schedule.want(reason)
@@ -188,8 +189,15 @@ class Replanner:
             now, nodes, QUIET_AFTER_INTERVALS * settings.heartbeat_interval_s, self._ctx.started_at
         )
         request = decide.plan_request(
-            jobs, nodes, settings.failure_rate_per_node_per_s, settings.plan_time_limit_s, hit, quiet
+            jobs,
+            nodes,
+            settings.failure_rate_per_node_per_s,
+            settings.plan_time_limit_s,
+            hit,
+            quiet,
+            settings.quotas.limits(),
         )
+        self._say_oversubscribed(sum(node.slots for node in request.nodes if node.healthy))
         if not request.jobs or not any(node.healthy for node in request.nodes):
             self.schedule.done()
             return
@@ -285,6 +293,13 @@ class Replanner:
             log.warning("no plan keeps the interrupted jobs running; they may pause", extra={"problem": reply.reason})
             return self.planner.plan(relaxed), reply.reason
         return reply, ""
+
+    def _say_oversubscribed(self, slots: int) -> None:
+        """Once per size of the cluster: the teams' guarantees add up to more than it."""
+        said = self._ctx.settings.quotas.oversubscribed(slots)
+        if said is not None and said != self._oversubscribed:
+            log.warning("quotas: %s", said)
+        self._oversubscribed = said
 
     def _later(self, why: str, problem: str, now: float) -> None:
         delay = self.schedule.failed(why, now)

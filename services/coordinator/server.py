@@ -38,7 +38,7 @@ class JobServicer(job_service_pb2_grpc.JobServiceServicer):
         if not request.HasField("spec"):
             raise InvalidArgument("spec", "is required")
         who = caller()
-        job = await to_thread(self._coordinator.submit, request.spec, owner=who.name, admin=who.admin)
+        job = await to_thread(self._coordinator.submit, request.spec, owner=who.name, admin=who.admin, team=who.team)
         return jobs_pb.SubmitJobResponse(job=job)
 
     @grpc_errors
@@ -53,6 +53,10 @@ class JobServicer(job_service_pb2_grpc.JobServiceServicer):
     @grpc_errors
     async def ListQueue(self, request: jobs_pb.ListQueueRequest, context: Context) -> jobs_pb.ListQueueResponse:
         return jobs_pb.ListQueueResponse(entries=await to_thread(self._coordinator.queue, _scope()))
+
+    @grpc_errors
+    async def ListQuotas(self, request: jobs_pb.ListQuotasRequest, context: Context) -> jobs_pb.ListQuotasResponse:
+        return await to_thread(self._coordinator.quotas)
 
     @grpc_errors
     async def CancelJob(self, request: jobs_pb.CancelJobRequest, context: Context) -> jobs_pb.CancelJobResponse:

@@ -49,7 +49,10 @@ def panel_queries() -> list[tuple[str, str, str]]:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    local = LocalCluster(Path(tmp_path_factory.mktemp("dashboard")), agents=2, slots_per_agent=1, fault_injection=True)
+    work = Path(tmp_path_factory.mktemp("dashboard"))
+    quotas = work / "quotas.yaml"  # so that the team panel has teams to show
+    quotas.write_text("teams:\n  vision: {guarantee: 1, borrow_limit: 1}\n  nlp: {guarantee: 1}\n")
+    local = LocalCluster(work / "cluster", agents=2, slots_per_agent=1, fault_injection=True, quotas_file=quotas)
     cluster = running(local)
     yield next(cluster)
     next(cluster, None)

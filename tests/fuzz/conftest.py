@@ -184,6 +184,7 @@ def coordinator_target(redis_server: LocalRedis) -> Iterator[harness.Target]:
                     "GetJob",
                     "ListJobs",
                     "ListQueue",
+                    "ListQuotas",
                     "WatchJob",
                     "ListNodes",
                     "ListIncidents",

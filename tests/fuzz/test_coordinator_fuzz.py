@@ -35,6 +35,7 @@ SEEDS: dict[str, list[Message]] = {
     JOBS + "GetJob": [J.GetJobRequest(job_id=token("job")), J.GetJobRequest(job_id=token("job_name"))],
     JOBS + "ListJobs": [J.ListJobsRequest(states=[C.JOB_STATE_RUNNING, C.JOB_STATE_CANCELLED])],
     JOBS + "ListQueue": [J.ListQueueRequest()],
+    JOBS + "ListQuotas": [J.ListQuotasRequest()],
     JOBS + "CancelJob": [J.CancelJobRequest(job_id=token("job"), reason="fuzz")],
     JOBS + "WatchJob": [
         J.WatchJobRequest(job_id=token("job")),

@@ -15,11 +15,13 @@ from typing import Any
 import grpc
 import pytest
 import redis
+import yaml
 
 from services.agent.supervisor import WorkerKey
 from services.agent.trainer_link import LinkHandlers, TrainerLink
 from services.coordinator.coordinator import Coordinator, Settings
 from services.coordinator.planner_client import PlannerClient
+from services.coordinator.quotas import Quota, Quotas
 from services.coordinator.redis_store import RedisStore
 from services.coordinator.server import serve
 from services.planner.server import Limits as PlannerLimits
@@ -112,7 +114,13 @@ def secure_server(
     return rpc.Server(bind="127.0.0.1:0", max_workers=8, grace_s=0.2, security=security, asyncio=asyncio)
 
 
-def make_plane(pki: certs.DevPKI, redis_client: redis.Redis, limits: Limits | None = None) -> SecurePlane:
+def make_plane(
+    pki: certs.DevPKI,
+    redis_client: redis.Redis,
+    limits: Limits | None = None,
+    settings: Settings | None = None,
+    tokens: TokenBook | None = None,
+) -> SecurePlane:
     planner = secure_server(pki, pki.services["planner"])
     planner.add(
         planner_service_pb2_grpc.add_PlannerServiceServicer_to_server,
@@ -124,12 +132,11 @@ def make_plane(pki: certs.DevPKI, redis_client: redis.Redis, limits: Limits | No
     coordinator = Coordinator(
         RedisStore(redis_client),
         PlannerClient([planner.address], timeout_s=10, security=coordinator_tls),
-        Settings(heartbeat_timeout_s=3.0),
+        settings or Settings(heartbeat_timeout_s=3.0),
         clock=FakeClock(),
     )
-    server = secure_server(
-        pki, pki.services["coordinator"], limits, TokenBook.load(str(pki.tokens_file)).lookup, asyncio=True
-    )
+    book = tokens or TokenBook.load(str(pki.tokens_file))
+    server = secure_server(pki, pki.services["coordinator"], limits, book.lookup, asyncio=True)
     serve(server, coordinator)
     server.start()
     return SecurePlane(pki, coordinator, server, planner, redis_client)
@@ -234,6 +241,44 @@ def test_the_queue_shows_alice_her_place_and_not_what_the_jobs_before_her_are(pl
         finally:
             root.cancel(theirs.job_id)
             alice.cancel(mine.job_id)
+
+
+def test_a_job_counts_against_its_owners_team_and_a_quota_it_can_never_fit_is_refused(
+    pki: certs.DevPKI, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """alice is in team vision (the tokens file), whose quota is 2 slots guaranteed and 1 to
+    borrow: her job needing 4 is FAILED_PRECONDITION naming the quota and writes nothing; one
+    needing 2 is taken, as hers and vision's. root, an admin in no team, is not limited."""
+    data = yaml.safe_load(pki.tokens_file.read_text())
+    for user in data["users"]:
+        if user["name"] == "alice":
+            user["team"] = "vision"
+    tokens = tmp_path / "tokens.yaml"
+    tokens.write_text(yaml.safe_dump(data))
+    quotas = Quotas({"vision": Quota("vision", 2, 1)})
+    made = make_plane(pki, redis_client, settings=Settings(quotas=quotas), tokens=TokenBook.load(str(tokens)))
+    try:
+        made.register()
+        with made.client("alice") as alice, made.client("root") as root:
+            big = tiny_spec("big")
+            big.parallelism.data = big.parallelism.min_data = big.parallelism.max_data = 4
+            before = snapshot(made.redis)
+            with pytest.raises(ClientError) as error:
+                alice.submit(big)
+            assert error.value.code == grpc.StatusCode.FAILED_PRECONDITION
+            assert "team vision's quota: 2 slots guaranteed, may borrow 1 more, 3 in all" in str(error.value)
+            assert snapshot(made.redis) == before
+            small = tiny_spec("small")
+            small.parallelism.data = small.parallelism.min_data = small.parallelism.max_data = 2
+            mine = alice.submit(small)
+            assert (mine.owner, mine.team) == ("alice", "vision")
+            theirs = root.submit(big)
+            assert theirs.team == ""
+            for job in (mine, theirs):
+                root.cancel(job.job_id)
+    finally:
+        made.server.stop()
+        made.planner.stop()
 
 
 def test_a_node_certificate_speaks_only_for_its_node(plane: SecurePlane) -> None:

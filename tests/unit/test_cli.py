@@ -49,6 +49,7 @@ class FakeClient:
     incidents_reply: list[common_pb2.Incident] = []
     nodes_reply: list[common_pb2.Node] = []
     queue_reply: list[job_service_pb2.QueueEntry] = []
+    quotas_reply = job_service_pb2.ListQuotasResponse()
 
     def __init__(self, address: str) -> None:
         self.address = address
@@ -70,6 +71,9 @@ class FakeClient:
 
     def queue(self) -> list[job_service_pb2.QueueEntry]:
         return self.queue_reply
+
+    def quotas(self) -> job_service_pb2.ListQuotasResponse:
+        return self.quotas_reply
 
 
 def fake(monkeypatch: pytest.MonkeyPatch, **replies: object) -> None:
@@ -175,10 +179,28 @@ def test_the_queue_shows_each_waiting_job_and_hides_anothers(
     code, out, _ = run(capsys, "queue")
     lines = out.splitlines()
     assert code == 0 and lines[0].split()[:4] == ["#", "ID", "NAME", "CLASS"]
-    assert lines[1].split()[:6] == ["1", "-", "(another", "user's)", "production", "10"]
+    assert lines[1].split()[:7] == ["1", "-", "(another", "user's)", "production", "-", "10"]
     assert "301s" in lines[2] and lines[2].endswith("waiting for slots: needs 4, 2 free")
     fake(monkeypatch, queue_reply=[])
     assert run(capsys, "queue")[1] == "no job is waiting\n"
+
+
+def test_the_quota_shows_each_teams_guarantee_use_and_borrowing(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reply = job_service_pb2.ListQuotasResponse(cluster_slots=24)
+    reply.teams.add(team="nlp", guarantee=8, borrow_unlimited=True, used=12, borrowed=4, waiting_jobs=0)
+    reply.teams.add(team="vision", guarantee=16, borrow_limit=4, used=2, waiting_jobs=1)
+    fake(monkeypatch, quotas_reply=reply)
+    code, out, _ = run(capsys, "quota")
+    lines = out.splitlines()
+    assert code == 0
+    assert lines[0].split() == ["TEAM", "GUARANTEE", "MAY", "BORROW", "USED", "BORROWED", "WAITING", "JOBS"]
+    assert lines[1].split() == ["nlp", "8", "any", "idle", "12", "4", "0"]
+    assert lines[2].split() == ["vision", "16", "4", "2", "0", "1"]
+    assert lines[3] == "guarantees: 24 of the cluster's 24 healthy slots"
+    fake(monkeypatch, quotas_reply=job_service_pb2.ListQuotasResponse())
+    assert run(capsys, "quota")[1] == "no team quotas on this cluster\n"
 
 
 def test_cluster_json(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:

@@ -18,6 +18,7 @@ from prometheus_client.samples import Sample
 from services.coordinator import cost, prometheus
 from services.coordinator.__main__ import CoordinatorConfig
 from services.coordinator.metrics import JOB_STATES, NODE_STATES, Census, CoordinatorMetrics, census
+from services.coordinator.quotas import Quota, Quotas
 from unicron.errors import InvalidArgument
 from unicron.v1 import common_pb2 as pb
 from unicron.v1 import job_service_pb2
@@ -40,7 +41,10 @@ def fake_census() -> Census:
     waiting.created.FromSeconds(100)
     jobs = [pb.Job(state=pb.JOB_STATE_RUNNING)] * 2 + [waiting]
     nodes = [pb.Node(state=pb.NODE_STATE_READY)] * 3 + [pb.Node(state=pb.NODE_STATE_LOST)]
-    return census(jobs, nodes, ("production", "research"), now=160.0)
+    return census(jobs, nodes, ("production", "research"), now=160.0, limits=QUOTAS)
+
+
+QUOTAS = Quotas({"vision": Quota("vision", 2, 1), "nlp": Quota("nlp", 1, None)})
 
 
 def costed_incident() -> pb.Incident:
@@ -216,6 +220,16 @@ def test_census_counts_every_state_and_names_them_all() -> None:
     )
     assert counted.jobs == {**dict.fromkeys(JOB_STATES, 0), "recovering": 1}
     assert counted.nodes == {"ready": 0, "lost": 0, "isolated": 1}
+
+
+def test_census_gives_each_team_its_quota_and_use() -> None:
+    running = pb.Job(state=pb.JOB_STATE_RUNNING, team="vision")
+    running.assignment.workers.add(node_id="a", ranks=[0, 1, 2])
+    counted = census([running], [], limits=QUOTAS)
+    assert counted.teams == {
+        "vision": {"guarantee": 2, "used": 3, "borrowed": 1, "borrow_limit": 1},
+        "nlp": {"guarantee": 1, "used": 0, "borrowed": 0},  # may borrow any idle slot: no limit
+    }
 
 
 def test_census_counts_the_waiting_jobs_by_class_and_their_longest_wait() -> None:

@@ -44,3 +44,20 @@ def test_another_users_job_shows_its_place_and_class_not_what_it_is() -> None:
     assert (theirs.position, theirs.priority_class, theirs.weight) == (1, "research", 10.0)
     assert (theirs.job_id, theirs.name, theirs.owner, theirs.waiting_for) == ("", "", "", "")
     assert (mine.position, mine.name, mine.owner) == (2, "mine", "alice")
+
+
+def test_a_job_its_teams_quota_holds_back_says_so() -> None:
+    from services.coordinator.quotas import Quota, Quotas
+
+    limits = Quotas({"vision": Quota("vision", 4, 2), "nlp": Quota("nlp", 2, None)})
+    running = job("running", 1.0, 50, running=True)
+    running.team = "vision"
+    running.assignment.workers.add(node_id="a", ranks=[0, 1, 2, 3, 4])
+    held_back, free_to_borrow = job("held-back", 1.0, 100), job("borrower", 1.0, 200)
+    held_back.team, free_to_borrow.team = "vision", "nlp"
+    entries = queue.entries([running, held_back, free_to_borrow], now=400.0, scope=None, limits=limits)
+    assert [(e.name, e.team) for e in entries] == [("held-back", "vision"), ("borrower", "nlp")]
+    assert entries[0].waiting_for == (
+        "quota: team vision holds 5 of the 6 slots it may (4 guaranteed + 2 borrowed); this job needs 2"
+    )
+    assert entries[1].waiting_for == "waiting for slots (borrower)"  # nlp may borrow any idle slot

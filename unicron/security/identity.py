@@ -41,6 +41,8 @@ class Principal:
     kind: Kind
     name: str = ""
     admin: bool = False
+    # The team whose quota the user's jobs count against (the tokens file's `team`); "": none.
+    team: str = ""
 
     @property
     def key(self) -> str:
@@ -72,7 +74,7 @@ class TokenBook:
 
     @staticmethod
     def parse(data: Any, source: str = "tokens_file") -> TokenBook:
-        """From the tokens file's mapping: {join_token: str, users: [{name, token, admin}]}."""
+        """From the tokens file's mapping: {join_token: str, users: [{name, token, admin, team}]}."""
         if not isinstance(data, dict):
             raise InvalidArgument(source, "must hold a mapping with join_token and users")
         entries: dict[str, Principal] = {}
@@ -96,7 +98,11 @@ class TokenBook:
             where = f"users[{index}]"
             if not isinstance(user, dict) or not isinstance(user.get("name"), str) or not user["name"]:
                 raise InvalidArgument(f"{source}.{where}.name", "is required")
-            add(user.get("token"), Principal(Kind.USER, user["name"], admin=bool(user.get("admin"))), f"{where}.token")
+            team = user.get("team") or ""
+            if not isinstance(team, str):
+                raise InvalidArgument(f"{source}.{where}.team", "must be a team's name")
+            principal = Principal(Kind.USER, user["name"], admin=bool(user.get("admin")), team=team)
+            add(user.get("token"), principal, f"{where}.token")
         return TokenBook(entries)
 
     @staticmethod
