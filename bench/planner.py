@@ -148,30 +148,39 @@ def make_instance(
             Job(**spec | {"current": current, "hit_by_failure": hit, "pinned": pinned, "preemptible": preemptible})
         )
     rate = 1.0 / (rng.uniform(20, 60) * 86_400.0)  # per node: one failure every 20-60 days
-    jobs_list, limits = with_teams(jobs_list, capacity, random.Random(f"planner-bench-teams/{jobs}/{nodes}/{seed}"))
+    teams_rng = random.Random(f"planner-bench-teams/{jobs}/{nodes}/{seed}")
+    jobs_list, limits, guarantees = with_teams(jobs_list, capacity, teams_rng)
     return PlanRequest(
-        tuple(node_list), tuple(jobs_list), rate, time_limit_s=time_limit_s, workers=workers, team_limits=limits
+        tuple(node_list),
+        tuple(jobs_list),
+        rate,
+        time_limit_s=time_limit_s,
+        workers=workers,
+        team_limits=limits,
+        team_guarantees=guarantees,
     )
 
 
 TEAMS = ("vision", "nlp", "speech", "research")
 
 
-def with_teams(jobs: list[Job], capacity: int, rng: random.Random) -> tuple[list[Job], dict[str, int]]:
-    """The jobs spread over TEAMS, and each team's slot limit (guarantee plus borrowing) at
-    0.3-0.6 of the cluster, raised where the team's pinned and non-preemptible jobs need more
-    (an admin's quotas that the running jobs already break would be infeasible, not a bench).
-    The teams' own stream: the instances' jobs and nodes are those they were before teams."""
+def with_teams(jobs: list[Job], capacity: int, rng: random.Random) -> tuple[list[Job], dict[str, int], dict[str, int]]:
+    """The jobs spread over TEAMS; each team's guarantee (0.15-0.25 of the cluster, so together
+    about 0.8 of it) and slot limit (the guarantee plus 0.1-0.35 of the cluster to borrow),
+    raised where the team's pinned and non-preemptible jobs need more (an admin's quotas that
+    the running jobs already break would be infeasible, not a bench). The teams' own stream:
+    the instances' jobs and nodes are those they were before teams."""
     teamed = [dataclasses.replace(job, team=rng.choice(TEAMS)) for job in jobs]
-    limits = {}
+    guarantees, limits = {}, {}
     for team in TEAMS:
         must = sum(
             job.current_size if job.pinned else job.tensor_parallel * job.pipeline_parallel * job.min_dp
             for job in teamed
             if job.team == team and (job.pinned or not job.preemptible)
         )
-        limits[team] = max(must, round(capacity * rng.uniform(0.3, 0.6)))
-    return teamed, limits
+        guarantees[team] = round(capacity * rng.uniform(0.15, 0.25))
+        limits[team] = max(must, guarantees[team] + round(capacity * rng.uniform(0.1, 0.35)))
+    return teamed, limits, guarantees
 
 
 def run_case(jobs: int, nodes: int, instances: int, *, workers: int = 1, time_limit_s: float = 10.0) -> dict[str, Any]:

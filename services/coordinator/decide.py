@@ -100,6 +100,7 @@ def plan_request(
     hit: Iterable[str] = (),
     quiet: Iterable[str] = (),
     team_limits: Mapping[str, int] | None = None,
+    team_guarantees: Mapping[str, int] | None = None,
 ) -> planner_service_pb2.PlanRequest:
     """The planner's view of the whole cluster: every active job may be resized or moved
     (what that costs is in its transition estimate, so jobs left alone stay where they
@@ -114,6 +115,7 @@ def plan_request(
         failure_rate_per_node_per_second=failure_rate_per_node_per_s,
         time_limit_seconds=time_limit_s,
         team_limits=team_limits or {},
+        team_guarantees=team_guarantees or {},
     )
     for node in nodes:
         request.nodes.add(

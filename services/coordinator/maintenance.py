@@ -117,5 +117,6 @@ class Maintenance:
             decide.hit_jobs(jobs, nodes),
             quiet,
             settings.quotas.limits(),
+            settings.quotas.guarantees(),
         )
         return self._planner.plan(request)

@@ -7,11 +7,12 @@ What is enforced where:
   whose smallest size exceeds what its team may ever hold (guarantee plus borrowing limit), is
   refused with FAILED_PRECONDITION naming the quota;
 - in every plan: the team's jobs hold at most its guarantee plus its borrowing limit together,
-  a constraint of the planner's model (services/planner/teams.py), so a running job over a
-  lowered quota shrinks or pauses through the planner's ordinary transitions.
+  and slots a team borrowed are the first given back once the team that is guaranteed them
+  has jobs that could use them, whatever the weights: constraints of the planner's model
+  (services/planner/teams.py), so a running job over a lowered quota or holding borrowed slots
+  shrinks or pauses through the planner's ordinary transitions.
 
-Not yet: giving borrowed slots back first when their owner needs them (the planner weighs the
-owner's jobs against the borrower's by weight alone), and fair share within a team.
+Not yet: fair share among one team's own jobs (weight decides there).
 
 The quotas come from the coordinator's `--quotas-file` (YAML below); none: no team is limited."""
 
@@ -60,6 +61,10 @@ class Quotas:
     def limits(self) -> dict[str, int]:
         """The planner's team limits: every team that may not borrow without bound."""
         return {team: q.limit for team, q in self.teams.items() if q.limit is not None}
+
+    def guarantees(self) -> dict[str, int]:
+        """The planner's team guarantees: borrowed slots are the first given back."""
+        return {team: q.guarantee for team, q in self.teams.items()}
 
     def check_submit(self, team: str, admin: bool, needed: int) -> None:
         """FailedPrecondition when a job of ``team`` needing at least ``needed`` slots could

@@ -196,6 +196,7 @@ class Replanner:
             hit,
             quiet,
             settings.quotas.limits(),
+            settings.quotas.guarantees(),
         )
         self._say_oversubscribed(sum(node.slots for node in request.nodes if node.healthy))
         if not request.jobs or not any(node.healthy for node in request.nodes):

@@ -239,6 +239,7 @@ class PlanRequest:
     workers: int = 1
     relative_gap: float = 1e-3
     team_limits: Mapping[str, int] = field(default_factory=dict)
+    team_guarantees: Mapping[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         where = "request"
@@ -261,12 +262,8 @@ class PlanRequest:
         check_float(where, "relative_gap", self.relative_gap)
         if self.relative_gap >= 1:
             fail(where, "relative_gap", f"must be below 1, got {self.relative_gap!r}")
-        if not isinstance(self.team_limits, Mapping):
-            fail(where, "team_limits", f"must be a mapping team -> slots, got {self.team_limits!r}")
-        for team, limit in self.team_limits.items():
-            check_id(where, "team_limits (key)", team)
-            check_int(where, f"team_limits[{team!r}]", limit, 0)
-        object.__setattr__(self, "team_limits", dict(self.team_limits))
+        for name in ("team_limits", "team_guarantees"):
+            object.__setattr__(self, name, teams.checked(where, name, getattr(self, name)))
 
 
 @dataclass(frozen=True)
@@ -528,6 +525,7 @@ def plan_problems(request: PlanRequest, plan_slots: PlanSlots) -> list[str]:
         problems.append(f"{changed} jobs changed, cap is {request.max_changed_jobs}")
     sizes = {job.job_id: sum(plan_slots.get(job.job_id, {}).values()) for job in request.jobs}
     problems += teams.over_limits(request, sizes)
+    problems += teams.over_guarantees(request, sizes, healthy_slots(request))
     return problems
 
 
@@ -600,7 +598,7 @@ def size_only_score(request: PlanRequest, sizes: Mapping[str, int]) -> float:
         used += x
     if used > healthy_slots(request):
         raise ValueError(f"sizes use {used} slots, healthy nodes hold {healthy_slots(request)}")
-    over = teams.over_limits(request, sizes)
+    over = teams.over_limits(request, sizes) + teams.over_guarantees(request, sizes, healthy_slots(request))
     if over:
         raise ValueError(over[0])
     return total

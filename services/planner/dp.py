@@ -40,41 +40,45 @@ class DPResult:
 def plan_sizes_dp(request: PlanRequest) -> DPResult:
     """The size-only optimum by dynamic programming; ValueError for a malformed request.
 
-    With team limits (``teams``) the jobs go in groups: a limited team's jobs first, over at
-    most its limit, then the groups together over the pool, each taking a total from its own
-    table (a max-plus convolution). Without limits every job is its own group, and that is the
-    paper's recurrence."""
+    With teams (``teams``) the jobs go in groups: a team's jobs first, over at most its limit,
+    then the groups together over the pool, each holding a total from its own table and taking
+    max(that total, its reserve) of the pool (a max-plus convolution). Without teams every job
+    is its own group, and that is the paper's recurrence."""
     domain.validate(request)
     nodes = {node.node_id: node for node in request.nodes}
     horizon = domain.horizon_of(request)
     pool = domain.healthy_slots(request)
-    limited = teams.limited(request)
-    groups: list[tuple[list[Job], int]] = [(jobs, min(pool, request.team_limits[t])) for t, jobs in limited.items()]
-    groups += [([job], pool) for job in request.jobs if job.team not in limited]
+    grouped = teams.grouped(request)
+    reserved = teams.reserves(request, pool)
+    # (jobs, the most slots they may hold together, the pool they take at least)
+    groups = [(jobs, min(pool, request.team_limits.get(t, pool)), reserved.get(t, 0)) for t, jobs in grouped.items()]
+    groups += [([job], pool, 0) for job in request.jobs if job.team not in grouped]
     best = np.zeros(pool + 1)
-    tables: list[tuple[list[Job], list[tuple[list[int], np.ndarray]], np.ndarray]] = []
-    for jobs, cap in groups:
+    tables: list[tuple[list[Job], list[tuple[list[int], np.ndarray]], np.ndarray, int]] = []
+    for jobs, cap, reserve in groups:
         table, choices = _jobs_table(jobs, nodes, horizon, cap)
-        # best over the groups so far, on at most g slots, with this group taking exactly total.
+        # best over the groups so far, on at most g slots, with this group holding exactly total
+        # (and taking max(total, reserve) of the pool).
         new = np.full(pool + 1, -np.inf)
         total = np.full(pool + 1, -1, dtype=np.int32)
         for used in range(cap + 1):
-            if not np.isfinite(table[used]):
+            taken = max(used, reserve)
+            if not np.isfinite(table[used]) or taken > pool:
                 continue
             candidate = np.full(pool + 1, -np.inf)
-            candidate[used:] = best[: pool + 1 - used] + table[used]
+            candidate[taken:] = best[: pool + 1 - taken] + table[used]
             better = candidate > new
             new[better] = candidate[better]
             total[better] = used
         best = new
-        tables.append((jobs, choices, total))
+        tables.append((jobs, choices, total, reserve))
     if not np.isfinite(best[pool]):
         return DPResult(-np.inf, {}, "INFEASIBLE")
     sizes_by_job: dict[str, int] = {}
     g = pool
-    for jobs, choices, total in reversed(tables):
+    for jobs, choices, total, reserve in reversed(tables):
         used = int(total[g])
-        g -= used
+        g -= max(used, reserve)
         sizes_by_job.update(_read_back(jobs, choices, used))
     ordered = {job.job_id: sizes_by_job[job.job_id] for job in request.jobs}
     # Sum in request order so the objective matches domain.size_only_score to the last bit.

@@ -135,6 +135,10 @@ class _Greedy:
         # Slots each limited team may still take (teams.py).
         self.team_room = dict(data.request.team_limits)
         self.pool_slots = sum(node.slots for node in data.healthy)
+        # Each guaranteed team takes max(its slots, its reserve) of the pool (teams.py).
+        self.reserved = teams.reserves(data.request, self.pool_slots)
+        self.team_used = dict.fromkeys(self.reserved, 0)
+        self.loose_used = 0  # slots of the jobs outside guaranteed teams
 
     def target(self, jd: JobData) -> int | None:
         return None if self.targets is None or jd.job.pinned else self.targets.get(jd.job.job_id)
@@ -147,13 +151,23 @@ class _Greedy:
         return self.cap is not None and self.changes >= self.cap and self.unchanged(jd)
 
     def room_of_team(self, jd: JobData) -> int:
-        """Slots ``jd`` may add within its team's limit (the pool's size without one)."""
-        return self.team_room.get(jd.job.team, self.pool_slots)
+        """Slots ``jd`` may add within its team's limit and the teams' reserves."""
+        taken = self.loose_used + sum(max(self.team_used[t], r) for t, r in self.reserved.items())
+        headroom = self.pool_slots - taken
+        team = jd.job.team
+        if team in self.reserved:
+            headroom += max(0, self.reserved[team] - self.team_used[team])
+        return min(self.team_room.get(team, self.pool_slots), headroom)
 
     def assign(self, jd: JobData, slots: dict[str, int]) -> None:
         was = self.unchanged(jd)
+        grows = sum(slots.values()) - sum(self.placement[jd.job.job_id].values())
         if jd.job.team in self.team_room:
-            self.team_room[jd.job.team] -= sum(slots.values()) - sum(self.placement[jd.job.job_id].values())
+            self.team_room[jd.job.team] -= grows
+        if jd.job.team in self.team_used:
+            self.team_used[jd.job.team] += grows
+        else:
+            self.loose_used += grows
         self.placement[jd.job.job_id] = slots
         if was and not self.unchanged(jd):
             self.changes += 1
@@ -313,24 +327,22 @@ def polish(data: Problem, placement: Placement) -> Placement:
         for n, s in slots.items():
             used[n] += s
     out = dict(placement)
-    team_room = {
-        team: data.request.team_limits[team] - sum(sum(out[job.job_id].values()) for job in jobs)
-        for team, jobs in teams.limited(data.request).items()
-    }
+    pool = sum(node.slots for node in data.healthy)
+    sizes = {job_id: sum(slots.values()) for job_id, slots in out.items()}
     for jd in data.jobs:
         job = jd.job
         new, cur = out[job.job_id], job.current
         if not jd.in_place or job.pinned or new == cur:
             continue
         fits = all(used[n] - new.get(n, 0) + s <= data.nodes[n].slots for n, s in cur.items())
-        grows = job.current_size - sum(new.values())
-        fits = fits and grows <= team_room.get(job.team, grows)
+        if fits and (job.team or data.request.team_guarantees):
+            after = {**sizes, job.job_id: job.current_size}
+            fits = not teams.over_limits(data.request, after) and not teams.over_guarantees(data.request, after, pool)
         if fits and domain.job_value(job, cur, data.horizon) >= domain.job_value(job, new, data.horizon):
             for n, s in new.items():
                 used[n] -= s
             for n, s in cur.items():
                 used[n] += s
-            if job.team in team_room:
-                team_room[job.team] -= grows
+            sizes[job.job_id] = job.current_size
             out[job.job_id] = dict(cur)
     return out

@@ -120,6 +120,7 @@ def request_from_proto(message: pb.PlanRequest, limits: Limits) -> domain.PlanRe
                 seed=message.seed,
                 workers=limits.workers,
                 team_limits=dict(message.team_limits),
+                team_guarantees=dict(message.team_guarantees),
             )
         domain.validate(request)
     except ValueError as exc:

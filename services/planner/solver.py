@@ -183,10 +183,29 @@ def _build_model(data: Problem, *, with_cap: bool = True) -> Model:
 
 
 def _add_team_limits(data: Problem, m: Model) -> None:
-    """Each limited team's jobs hold at most its limit together (teams.py)."""
+    """Each limited team's jobs hold at most its limit together, and the teams' reserves
+    fit (teams.py)."""
     for team, jobs in teams.limited(data.request).items():
         if jobs:
             m.model.add(sum(m.size[job.job_id] for job in jobs) <= data.request.team_limits[team])
+    _add_team_reserves(m.model, data.request, {job.job_id: m.size[job.job_id] for job in data.request.jobs})
+
+
+def _add_team_reserves(model: cp_model.CpModel, request: PlanRequest, size: Mapping[str, cp_model.LinearExprT]) -> None:
+    """Every guaranteed team takes max(its slots, its reserve) of the healthy slots, every
+    other job its size: together at most the healthy slots (teams.py: borrowed slots are the
+    first given back)."""
+    if not request.team_guarantees:
+        return
+    pool = domain.healthy_slots(request)
+    reserved = teams.reserves(request, pool)
+    taken: list[cp_model.LinearExprT] = []
+    for team, reserve in reserved.items():
+        held = model.new_int_var(reserve, max(reserve, pool), f"reserved[{team}]")
+        model.add(held >= sum((size[job.job_id] for job in request.jobs if job.team == team), 0))
+        taken.append(held)
+    taken += [size[job.job_id] for job in request.jobs if job.team not in reserved]
+    model.add(sum(taken) <= pool)
 
 
 def _add_pooled_capacity(data: Problem, m: Model) -> None:
@@ -563,11 +582,11 @@ def plan_sizes(request: PlanRequest) -> SizePlan:
     if pairs:
         used = cp_model.LinearExpr.weighted_sum([v for v, _ in pairs], [x for _, x in pairs])
         model.add(used <= domain.healthy_slots(request))
+    size_of = {j: cp_model.LinearExpr.weighted_sum(list(by.values()), list(by)) for j, by in choose.items()}
     for team, jobs in teams.limited(request).items():
-        mine = [(choose[job.job_id][x], x) for job in jobs for x in choose[job.job_id] if x]
-        if mine:
-            used = cp_model.LinearExpr.weighted_sum([v for v, _ in mine], [x for _, x in mine])
-            model.add(used <= request.team_limits[team])
+        if jobs:
+            model.add(sum(size_of[job.job_id] for job in jobs) <= request.team_limits[team])
+    _add_team_reserves(model, request, size_of)
     terms = [(var, round(options[j][x] * scale)) for j, by_size in choose.items() for x, var in by_size.items()]
     model.maximize(cp_model.LinearExpr.weighted_sum([v for v, _ in terms], [c for _, c in terms]))
     solver = cp_model.CpSolver()

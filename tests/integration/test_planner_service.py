@@ -93,6 +93,20 @@ def test_a_teams_limit_holds_its_jobs_together(planner: planner_service_pb2_grpc
     assert sizes["v1"] + sizes["v2"] == 8 and sizes["n1"] == 16
 
 
+def test_a_team_gives_back_borrowed_slots_when_their_owner_needs_them(
+    planner: planner_service_pb2_grpc.PlannerServiceStub,
+) -> None:
+    """24 slots, 12 guaranteed to each team: vision's heavy job holds 20, nlp's arrives."""
+    request = cluster(
+        job("v1", team="vision", weight=5.0, max_data_parallel=10, current={"n1": 8, "n2": 8, "n3": 4}),
+        job("n1", team="nlp", preemptible=True, min_data_parallel=2, max_data_parallel=6),
+    )
+    request.team_guarantees.update({"vision": 12, "nlp": 12})
+    reply = planner.Plan(request, timeout=30)
+    assert reply.status == pb.SOLVE_STATUS_OPTIMAL, reply.reason
+    assert {p.job_id: p.size for p in reply.jobs} == {"v1": 12, "n1": 12}
+
+
 def with_nodes(request: pb.PlanRequest, *nodes: pb.PlanNode) -> pb.PlanRequest:
     request.nodes.extend(nodes)
     return request

@@ -114,8 +114,20 @@ def _size_requests(draw: st.DrawFn) -> PlanRequest:
             st.fixed_dictionaries({"a": st.integers(0, 16), "b": st.integers(0, 16)}),
         )
     )
+    guarantees = draw(
+        st.one_of(
+            st.just({}),
+            st.fixed_dictionaries({"a": st.integers(0, 12)}),
+            st.fixed_dictionaries({"a": st.integers(0, 12), "b": st.integers(0, 12)}),
+        )
+    )
     return PlanRequest(
-        tuple(nodes), tuple(jobs), draw(st.sampled_from([0.0, 1e-4, 1e-2])), relative_gap=0.0, team_limits=limits
+        tuple(nodes),
+        tuple(jobs),
+        draw(st.sampled_from([0.0, 1e-4, 1e-2])),
+        relative_gap=0.0,
+        team_limits=limits,
+        team_guarantees=guarantees,
     )
 
 

@@ -481,6 +481,7 @@ def _tiny_requests(draw: st.DrawFn) -> PlanRequest:
         max_changed_jobs=draw(st.sampled_from([None, None, 0, 1])),
         relative_gap=0.0,
         team_limits=draw(_team_limits(6)),
+        team_guarantees=draw(_team_limits(4)),
     )
 
 

@@ -108,3 +108,42 @@ def test_a_bad_limit_names_its_field(limits: dict[str, Any], match: str) -> None
 def test_a_job_team_must_be_a_string() -> None:
     with pytest.raises(FieldError, match=r"team"):
         Job("j", 1.0, 1, 1, 1, 2, team=3)  # type: ignore[arg-type]
+
+
+def test_borrowed_slots_are_given_back_first_when_their_owner_needs_them() -> None:
+    """16 slots, vision and nlp guaranteed 8 each. vision's heavier job runs on 12 (4 borrowed
+    from nlp's idle guarantee); nlp's job arrives. By weight alone vision keeps its 12; with the
+    guarantees it gives back the 4 it borrowed, and nlp gets its 8."""
+    vision = _job("v1", "vision", weight=4.0, max_dp=12, current={"n0": 4, "n1": 4, "n2": 4})
+    nlp = _job("n1", "nlp", weight=1.0, min_dp=2, max_dp=8)
+    by_weight = plan(_request([vision, nlp], {}))
+    assert _sizes(by_weight) == {"v1": 12, "n1": 4}
+    request = PlanRequest(
+        tuple(Node(f"n{i}", 4) for i in range(4)),
+        (vision, nlp),
+        1e-6,
+        relative_gap=0.0,
+        team_guarantees={"vision": 8, "nlp": 8},
+    )
+    guaranteed = plan(request)
+    assert guaranteed.status == "OPTIMAL", guaranteed.reason
+    assert _sizes(guaranteed) == {"v1": 8, "n1": 8}
+    assert plan_sizes(request).sizes == plan_sizes_dp(request).sizes == {"v1": 8, "n1": 8}
+    assert domain.plan_problems(request, greedy.greedy_plan(problem.build_problem(request))) == []
+    # While nlp has no job, its guarantee is idle and vision may borrow all of it.
+    alone = PlanRequest(request.nodes, (vision,), 1e-6, relative_gap=0.0, team_guarantees=request.team_guarantees)
+    assert _sizes(plan(alone)) == {"v1": 12}
+
+
+def test_a_reserve_is_what_the_teams_jobs_could_use_and_fits_a_shrunk_cluster() -> None:
+    from services.planner import teams
+
+    small = _job("n1", "nlp", max_dp=3)
+    pinned = _job("v1", "vision", current={"n0": 4, "n1": 4}, pinned=True)
+    request = PlanRequest(
+        tuple(Node(f"n{i}", 4) for i in range(4)), (small, pinned), 1e-6, team_guarantees={"nlp": 8, "vision": 4}
+    )
+    # nlp's job can use 3 of its 8; vision's pinned job must keep 8 of its 4.
+    assert teams.reserves(request, 16) == {"nlp": 3, "vision": 8}
+    # On 10 healthy slots vision's 8 must stay: nlp's reserve is cut to the 2 left.
+    assert teams.reserves(request, 10) == {"nlp": 2, "vision": 8}

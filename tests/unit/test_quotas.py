@@ -85,9 +85,10 @@ def _job(job_id: str, team: str, job_state: int, slots: int = 0) -> common_pb2.J
 
 def test_the_planner_is_told_each_jobs_team_and_the_limits() -> None:
     jobs = [_job("v", "vision", state.RUNNING, 2), _job("n", "nlp", state.PENDING)]
-    request = decide.plan_request(jobs, [], 1e-6, 1.0, team_limits=QUOTAS.limits())
+    request = decide.plan_request(jobs, [], 1e-6, 1.0, team_limits=QUOTAS.limits(), team_guarantees=QUOTAS.guarantees())
     assert {j.job_id: j.team for j in request.jobs} == {"v": "vision", "n": "nlp"}
     assert dict(request.team_limits) == {"vision": 20}
+    assert dict(request.team_guarantees) == {"vision": 16, "nlp": 8}
     assert quotas.used_slots(jobs) == {"vision": 2}
 
 
