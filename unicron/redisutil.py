@@ -5,6 +5,7 @@ shows a certificate of its own (``RedisTLS``), as every other hop of the control
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import time
@@ -14,9 +15,19 @@ from pathlib import Path
 from typing import Any
 
 import redis
+from redis.sentinel import Sentinel
 
 from unicron.errors import FailedPrecondition, Unavailable
 from unicron.ports import free_port  # re-exported: servers here and in tests take theirs from it
+from unicron.redis_replication import (
+    DEFAULT_WAIT_MS,
+    ReplicatedRedis,
+    is_sentinel,
+    master_state,
+    parse_sentinel_url,
+    quorum_problem,
+    replication_problem,
+)
 
 
 @dataclass(frozen=True)
@@ -30,9 +41,10 @@ class RedisTLS:
 
 
 def tls_options(url: str, tls: RedisTLS | None) -> dict[str, Any]:
-    """redis-py's keyword arguments for ``url``: none for ``redis://``; for ``rediss://`` the
-    CA, certificate and key, and a server certificate that must check out."""
-    if not url.startswith("rediss://"):
+    """redis-py's keyword arguments for ``url``: none for ``redis://``; for ``rediss://`` (and
+    ``rediss+sentinel://``) the CA, certificate and key, and a server certificate that must
+    check out."""
+    if not url.startswith(("rediss://", "rediss+sentinel://")):
         return {}
     if tls is None:
         raise FailedPrecondition(f"{url} is Redis over TLS: it needs a CA, a certificate and a key")
@@ -40,11 +52,79 @@ def tls_options(url: str, tls: RedisTLS | None) -> dict[str, Any]:
 
 
 def connect(
-    url: str, tls: RedisTLS | None = None, timeout_s: float = 5.0, connect_timeout_s: float = 2.0
+    url: str,
+    tls: RedisTLS | None = None,
+    timeout_s: float = 5.0,
+    connect_timeout_s: float = 2.0,
+    acks: int = 0,
+    wait_ms: int = DEFAULT_WAIT_MS,
 ) -> redis.Redis:
-    return redis.Redis.from_url(
-        url, socket_timeout=timeout_s, socket_connect_timeout=connect_timeout_s, **tls_options(url, tls)
-    )
+    """A client of the Redis at `url`: a server (redis://, rediss://, unix://) or the primary
+    that sentinels name (redis+sentinel://, followed across failovers). With `acks`, every
+    transaction returns only once that many replicas have it (unicron.redis_replication)."""
+    if acks < 0 or wait_ms <= 0:
+        raise ValueError("acks must not be negative and wait_ms must be positive")
+    options: dict[str, Any] = {"socket_timeout": timeout_s, "socket_connect_timeout": connect_timeout_s}
+    client: redis.Redis
+    if is_sentinel(url):
+        where = parse_sentinel_url(url)
+        secure = tls_options(url, tls)
+        sentinel = Sentinel(
+            list(where.sentinels), sentinel_kwargs={**options, **secure, "ssl": where.tls} if where.tls else options
+        )
+        client = sentinel.master_for(
+            where.master,
+            redis_class=ReplicatedRedis,
+            db=where.db,
+            username=where.username,
+            password=where.password,
+            ssl=where.tls,
+            **options,
+            **secure,
+        )
+    else:
+        client = ReplicatedRedis.from_url(url, **options, **tls_options(url, tls))
+    assert isinstance(client, ReplicatedRedis)
+    client.acks, client.wait_ms = acks, wait_ms
+    return client
+
+
+def sentinel_options(url: str, tls: RedisTLS | None, timeout_s: float = 2.0) -> dict[str, Any]:
+    """How to reach the sentinels of a redis+sentinel:// URL (for checks and tools)."""
+    options: dict[str, Any] = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s}
+    if url.startswith("rediss+sentinel://"):
+        options.update(tls_options(url, tls), ssl=True)
+    return options
+
+
+def replication_problem_at(url: str, tls: RedisTLS | None, acks: int) -> str | None:
+    """Why a coordinator must not act on the Redis at `url` yet (None: it may): no sentinel
+    answers, none knows the master, the primary does not answer or has fewer current replicas
+    than each write waits for. A quorum that can never fail over is no passing state but a
+    mistake: FailedPrecondition."""
+    if not is_sentinel(url):
+        return None
+    where = parse_sentinel_url(url)
+    try:
+        state = master_state(where, sentinel_options(url, tls))
+    except Unavailable as exc:
+        return str(exc)
+    wrong = quorum_problem(state, len(where.sentinels))
+    if wrong is not None:
+        raise FailedPrecondition(f"Sentinel master {where.master!r}: {wrong}")
+    client = connect(url, tls, timeout_s=2.0)
+    try:
+        info: dict[str, Any] = client.info("replication")  # type: ignore[assignment]
+    except redis.RedisError as exc:
+        return f"the primary the sentinels name ({state.get('ip')}:{state.get('port')}) does not answer: {exc}"
+    finally:
+        client.close()
+    return replication_problem(info, acks)
+
+
+def redacted(url: str) -> str:
+    """`url` with its password masked, for logs (any scheme, one host or many)."""
+    return re.sub(r"^([a-z+]+://[^:@/]*):[^@/]*@", r"\1:***@", url)
 
 
 def reachable(url: str, tls: RedisTLS | None = None) -> bool:
@@ -66,17 +146,20 @@ class LocalRedis:
         prefix: Sequence[str] = (),
         tls: RedisTLS | None = None,
         client_tls: RedisTLS | None = None,
+        extra: Sequence[str] = (),
     ) -> None:
         """`host`: the address it binds; `prefix`: what its command line runs under (say
         `ip netns exec <namespace>`, for a test host). `tls`: the server's own certificate and
         key and the CA its clients must show a certificate of; then it serves TLS alone
-        (rediss://), and `client_tls` is whom it checks itself as while starting."""
+        (rediss://), and `client_tls` is whom it checks itself as while starting. `extra`:
+        more redis-server arguments (a replica's --replicaof, say)."""
         self.data_dir = data_dir
         self.host = host
         self.port = port or (free_port() if host == "127.0.0.1" else 6379)
         self.tls, self.client_tls = tls, client_tls or tls
         self.url = f"{'rediss' if tls else 'redis'}://{host}:{self.port}/0"
         self._prefix = list(prefix)
+        self._extra = list(extra)
         self._proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout_s: float = 10.0) -> LocalRedis:
@@ -107,6 +190,7 @@ class LocalRedis:
                 "yes" if self.host == "127.0.0.1" else "no",
                 "--logfile",
                 str(self.data_dir / "redis.log"),
+                *self._extra,
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -139,6 +223,10 @@ class LocalRedis:
             "--tls-auth-clients",
             "yes",
         ]
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc and self._proc.poll() is None else None
 
     def kill(self) -> None:
         """SIGKILL, as a crash would: no chance to flush anything."""

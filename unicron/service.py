@@ -13,7 +13,6 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
-from urllib.parse import urlsplit, urlunsplit
 
 from unicron import redisutil, rpc
 from unicron.config import load_config
@@ -53,7 +52,7 @@ class Dependency:
 
 
 def redis_dependency(url: str, tls: redisutil.RedisTLS | None = None) -> Dependency:
-    return Dependency("redis", _without_password(url), lambda: redisutil.reachable(url, tls))
+    return Dependency("redis", redisutil.redacted(url), lambda: redisutil.reachable(url, tls))
 
 
 def grpc_dependency(name: str, address: str, security: ClientSecurity | None = None) -> Dependency:
@@ -66,15 +65,6 @@ def grpc_dependency(name: str, address: str, security: ClientSecurity | None = N
             return False
 
     return Dependency(name, address, reachable)
-
-
-def _without_password(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
 
 
 def dependency_timeout_s() -> float:
@@ -177,7 +167,12 @@ def run_server(
             log.info("%s stopped before serving", name)
             return 0
     if prepare is not None:
-        if not prepare(config, log, stopping):
+        try:
+            prepared = prepare(config, log, stopping)
+        except UnicronError as exc:  # a mistake found while preparing (a Sentinel quorum, say)
+            log.error(str(exc), extra={"exit_code": EXIT_CONFIG})
+            return EXIT_CONFIG
+        if not prepared:
             log.info("%s stopped before serving", name)
             return 0
     try:

@@ -31,6 +31,7 @@ from unicron.redisutil import LocalRedis, RedisTLS, free_port
 from unicron.security import ClientSecurity, load_tls
 from unicron.v1 import common_pb2
 from unicron_dev.netns import Host
+from unicron_dev.redis_group import RedisGroup
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -202,9 +203,14 @@ class LocalCluster:
     metrics_address: str = ""
     # The coordinator's --quotas-file (services/coordinator/quotas.py); None: no team quotas.
     quotas_file: Path | None = None
+    # More than 0: Redis replicated under Sentinel (unicron_dev.redis_group): a primary, this
+    # many replicas and three sentinels; the coordinators reach it by a redis+sentinel:// URL
+    # and acknowledge a write only once a replica holds it.
+    redis_replicas: int = 0
     services: list[Service] = field(default_factory=list)
     pki: DevPKI | None = None
     _redis: LocalRedis | None = None
+    redis_group: RedisGroup | None = None
 
     # An admin and a plain user, for tests of who sees what.
     USERS = (User("admin", admin=True), User("alice"))
@@ -303,7 +309,10 @@ class LocalCluster:
                 self.pki = create_dev_pki(
                     self.run_dir / "certs", nodes=nodes, users=self.USERS, hosts=self._certificate_hosts()
                 )
-            if self.redis_url is None:
+            if self.redis_url is None and self.redis_replicas:
+                self.redis_group = self._new_redis_group().start()
+                self.redis_url = self.redis_group.url
+            elif self.redis_url is None:
                 self._redis = self._new_redis().start()
                 self.redis_url = self._redis.url
             planner_addresses = [self._spawn(f"planner-{i}", "services.planner", []) for i in range(self.planners)]
@@ -392,6 +401,14 @@ class LocalCluster:
         """A secure cluster's Redis serves mutual TLS alone, as the rest of its control plane."""
         return LocalRedis(
             (self.scratch_dir or self.run_dir) / "redis",
+            tls=self._redis_tls("redis", backend=True),
+            client_tls=self._redis_tls("coordinator"),
+        )
+
+    def _new_redis_group(self) -> RedisGroup:
+        return RedisGroup(
+            (self.scratch_dir or self.run_dir) / "redis",
+            replicas=self.redis_replicas,
             tls=self._redis_tls("redis", backend=True),
             client_tls=self._redis_tls("coordinator"),
         )
@@ -516,6 +533,9 @@ class LocalCluster:
         if self._redis:
             self._redis.stop()
             self._redis = None
+        if self.redis_group:
+            self.redis_group.stop()
+            self.redis_group = None
         leftovers = []
         for proc in descendants:
             try:

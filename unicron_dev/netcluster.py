@@ -3,7 +3,8 @@ bridge (unicron_dev.netns), so that every call between them, every heartbeat, ev
 collective and every state transfer crosses a real network link that a test can pull,
 flap, slow or partition.
 
-Hosts: `ctl` holds Redis and the planners; each coordinator has a host of its own (`c0`,
+Hosts: `ctl` holds Redis and the planners (with `redis_replicas`, Redis's servers are `r0`..
+and its sentinels `s0`..`s2`); each coordinator has a host of its own (`c0`,
 `c1`: one can be cut off from Redis alone); each agent has one (`h1`..`hN`), with its
 trainers, which talk gloo over the host's eth0. The test process reaches them all as the
 host `harness`."""
@@ -15,8 +16,10 @@ from dataclasses import dataclass
 from unicron.redisutil import LocalRedis
 from unicron_dev.localcluster import LocalCluster
 from unicron_dev.netns import HARNESS, Host, Network
+from unicron_dev.redis_group import Place, RedisGroup
 
 CONTROL = "ctl"
+SENTINELS = 3
 
 
 @dataclass
@@ -24,7 +27,19 @@ class NetCluster(LocalCluster):
     network: Network | None = None
 
     def host_names(self) -> list[str]:
-        return [CONTROL, *(f"c{i}" for i in range(self.coordinators)), *(f"h{i + 1}" for i in range(self.agents))]
+        return [
+            CONTROL,
+            *self.redis_hosts(),
+            *(f"c{i}" for i in range(self.coordinators)),
+            *(f"h{i + 1}" for i in range(self.agents)),
+        ]
+
+    def redis_hosts(self) -> list[str]:
+        """With a replicated Redis, each server (`r0`, the first primary, `r1`...) and each
+        sentinel (`s0`..`s2`) on a host of its own: a partition can cut any of them off."""
+        if not self.redis_replicas:
+            return []
+        return [*(f"r{i}" for i in range(1 + self.redis_replicas)), *(f"s{i}" for i in range(SENTINELS))]
 
     def start(self, timeout_s: float = 60.0) -> NetCluster:
         self.network = Network(self.host_names()).create()
@@ -66,6 +81,19 @@ class NetCluster(LocalCluster):
     def _certificate_hosts(self) -> list[str]:
         assert self.network is not None
         return [host.address for host in self.network.hosts.values() if host.name != HARNESS]
+
+    def _new_redis_group(self) -> RedisGroup:
+        def server(index: int) -> Place:
+            host = self.host(f"r{index}")
+            return Place(host.address, tuple(host.argv([])))
+
+        def sentinel(index: int) -> Place:
+            host = self.host(f"s{index}")
+            return Place(host.address, tuple(host.argv([])))
+
+        group = super()._new_redis_group()
+        group.sentinels, group.server_place, group.sentinel_place = SENTINELS, server, sentinel
+        return group
 
     def _new_redis(self) -> LocalRedis:
         control = self.host(CONTROL)

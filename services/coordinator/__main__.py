@@ -35,11 +35,13 @@ from unicron import redisutil, rpc, timeouts
 from unicron.config import require, setting
 from unicron.errors import UnicronError
 from unicron.logs import exit_flushed
+from unicron.redis_replication import SENTINEL_SCHEMES, NotReplicated, is_sentinel, parse_sentinel_url
 from unicron.security import ServerSecurity, TLSConfig, TokenBook, server_security
 from unicron.service import redis_dependency, run_server
 
 NAME = "coordinator"
 GIL_SWITCH_INTERVAL_S = 0.001
+REPLICATION_POLL_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -48,7 +50,17 @@ class CoordinatorConfig(TLSConfig):
     redis_url: str = setting(
         "redis://127.0.0.1:6379/0",
         "the Redis that holds the cluster's state and the lease; rediss://: over mutual TLS, checked against "
-        "--tls-ca, with this coordinator's --tls-cert and --tls-key as its client certificate",
+        "--tls-ca, with this coordinator's --tls-cert and --tls-key as its client certificate; "
+        "redis+sentinel://HOST:PORT,HOST:PORT,.../MASTER (rediss+sentinel:// over TLS): the primary the sentinels "
+        "name, followed across failovers",
+    )
+    redis_acks: int = setting(
+        -1,
+        "replicas that must hold a write before it is acknowledged or acted on (Redis WAIT); -1: 1 with a "
+        "redis+sentinel:// URL, 0 (no wait) with a single Redis",
+    )
+    redis_wait_ms: int = setting(
+        1000, "how long a write waits for --redis-acks replicas before it is refused as UNAVAILABLE"
     )
     planners: tuple[str, ...] = setting(
         ("127.0.0.1:50061",), "planner replicas, host:port, comma-separated; a plan asks the next that answers"
@@ -123,15 +135,19 @@ class CoordinatorConfig(TLSConfig):
                 require(False, "quotas_file", str(exc))
         require(":" in self.bind, "bind", "must be host:port")
         require(
-            self.redis_url.startswith(("redis://", "rediss://", "unix://")),
+            self.redis_url.startswith(("redis://", "rediss://", "unix://", *SENTINEL_SCHEMES)),
             "redis_url",
-            f"must be redis://, rediss:// or unix://, got {self.redis_url!r}",
+            f"must be redis://, rediss://, unix:// or redis+sentinel://, got {self.redis_url!r}",
         )
+        if is_sentinel(self.redis_url):
+            parse_sentinel_url(self.redis_url)  # names what is wrong with it (InvalidArgument)
         require(
-            not (self.redis_url.startswith("rediss://") and self.plaintext),
+            not (self.redis_url.startswith(("rediss://", "rediss+sentinel://")) and self.plaintext),
             "redis_url",
             "rediss:// needs this coordinator's TLS files (--tls-ca, --tls-cert, --tls-key), not --plaintext",
         )
+        require(self.redis_acks >= -1, "redis_acks", "must be -1 (automatic), 0 or more replicas")
+        require(self.redis_wait_ms > 0, "redis_wait_ms", "must be positive")
         if self.metrics_bind:
             parse_bind(self.metrics_bind)
         require(len(self.planners) > 0, "planners", "needs at least one planner address")
@@ -160,10 +176,17 @@ class CoordinatorConfig(TLSConfig):
             fixed=frozenset({"collective", "decision_wait"}),
         )
 
+    @property
+    def acks(self) -> int:
+        """The replicas each write waits for (--redis-acks, with -1 resolved)."""
+        if self.redis_acks >= 0:
+            return self.redis_acks
+        return 1 if is_sentinel(self.redis_url) else 0
+
 
 def redis_tls(config: CoordinatorConfig) -> redisutil.RedisTLS | None:
     """The coordinator's own CA, certificate and key, for a rediss:// Redis."""
-    if config.plaintext or not config.redis_url.startswith("rediss://"):
+    if config.plaintext or not config.redis_url.startswith(("rediss://", "rediss+sentinel://")):
         return None
     return redisutil.RedisTLS(config.tls_ca, config.tls_cert, config.tls_key)
 
@@ -174,7 +197,10 @@ def setup(
     """Adds the servicers to the server; returns what starts the reconcile loop. With a
     lease, every state-changing write is fenced by it."""
     coordinator = Coordinator(
-        RedisStore(redisutil.connect(config.redis_url, redis_tls(config)), lease=lease),
+        RedisStore(
+            redisutil.connect(config.redis_url, redis_tls(config), acks=config.acks, wait_ms=config.redis_wait_ms),
+            lease=lease,
+        ),
         PlannerClient(config.planners, security=config.client()),
         Settings(
             heartbeat_interval_s=config.heartbeat_interval_s,
@@ -210,7 +236,7 @@ def setup(
     # for every round trip and must win it back from the event loop's thread: at Python's
     # 5 ms default, a remedy's twenty round trips took ~90 ms under a thousand agents.
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-    log.info("state in %s, planners %s", config.redis_url, ",".join(config.planners))
+    log.info("state in %s, planners %s", redisutil.redacted(config.redis_url), ",".join(config.planners))
     return coordinator.start
 
 
@@ -238,7 +264,10 @@ def main(argv: Sequence[str], on_lost: Callable[[logging.Logger, str], None] = f
         argv,
         holder.setup,
         prepare=holder.acquire,
-        dependencies=lambda config: [redis_dependency(config.redis_url, redis_tls(config))],
+        # Under Sentinel, `wait_for_replication` waits instead, naming what is missing.
+        dependencies=lambda config: []
+        if is_sentinel(config.redis_url)
+        else [redis_dependency(config.redis_url, redis_tls(config))],
         security=security,
         asyncio=True,
     )
@@ -247,6 +276,26 @@ def main(argv: Sequence[str], on_lost: Callable[[logging.Logger, str], None] = f
 def security(config: CoordinatorConfig) -> ServerSecurity:
     """Users and join-token agents by their tokens, nodes and services by their certificates."""
     return server_security(config, TokenBook.load(config.tokens_file).lookup if config.tokens_file else None)
+
+
+def wait_for_replication(config: CoordinatorConfig, log: logging.Logger, stopping: threading.Event) -> bool:
+    """Under Sentinel, waits as a standby until the group can be trusted: a sentinel answers,
+    knows the master, and the primary has the replicas writes wait for (says what is missing,
+    once per change). False when stopped first; a quorum that can never fail over is refused
+    (FailedPrecondition), before anything is decided."""
+    said = ""
+    redacted = redisutil.redacted(config.redis_url)
+    while not stopping.is_set():
+        problem = redisutil.replication_problem_at(config.redis_url, redis_tls(config), config.acks)
+        if problem is None:
+            if said:
+                log.info("the Redis group is ready", extra={"redis_url": redacted})
+            return True
+        if problem != said:
+            log.warning("standby: waiting for Redis: %s", problem, extra={"redis_url": redacted})
+            said = problem
+        stopping.wait(REPLICATION_POLL_S)
+    return False
 
 
 class _LeaseHolder:
@@ -260,11 +309,13 @@ class _LeaseHolder:
 
     def acquire(self, config: CoordinatorConfig, log: logging.Logger, stopping: threading.Event) -> bool:
         setup_metrics(NAME, prometheus=bool(config.metrics_bind))
-        client = lease_client(config.redis_url, config.lease_ttl_s, redis_tls(config))
+        if not wait_for_replication(config, log, stopping):
+            return False
+        client = lease_client(config.redis_url, config.lease_ttl_s, redis_tls(config), acks=config.acks)
         lease = Lease(client, identity_of(config), ttl_s=config.lease_ttl_s)
         try:
             acquired = lease.try_acquire()
-        except redis.RedisError:  # Redis not up yet: wait for it as a standby does
+        except (redis.RedisError, NotReplicated):  # Redis not up yet: wait for it as a standby does
             acquired = False
         if not acquired:
             log.info(

@@ -138,14 +138,16 @@ class CommandStream:
         self._closed = False
 
     def read(self) -> list[node_service_pb2.NodeCommand]:
+        """The node's new commands, each as durable as an acknowledged write before it is
+        handed out (Unavailable, and nothing handed out, when the replicas lag)."""
         if self._read_at == self._seen:
             return []
+        pending = self._store.read_commands(self.node_id, self._cursor)
+        if pending:
+            self._store.barrier()
+            self._cursor = pending[-1][0]
         self._read_at = self._seen
-        commands = []
-        for command_id, command in self._store.read_commands(self.node_id, self._cursor):
-            self._cursor = command_id
-            commands.append(command)
-        return commands
+        return [command for _, command in pending]
 
     async def changed(self, timeout_s: float = IDLE_CHECK_S) -> bool:
         """Waits for the node's next command; False once the coordinator stops."""

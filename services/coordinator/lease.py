@@ -32,6 +32,7 @@ import redis
 
 from unicron import redisutil
 from unicron.errors import Unavailable
+from unicron.redis_replication import NotReplicated
 
 log = logging.getLogger(__name__)
 
@@ -96,11 +97,17 @@ class Holder:
         return cls(int(parts[0]), parts[1], parts[2] if len(parts) == 3 else "")
 
 
-def lease_client(url: str, ttl_s: float = DEFAULT_TTL_S, tls: redisutil.RedisTLS | None = None) -> redis.Redis:
+def lease_client(
+    url: str, ttl_s: float = DEFAULT_TTL_S, tls: redisutil.RedisTLS | None = None, acks: int = 0
+) -> redis.Redis:
     """A connection for the lease alone, with timeouts short enough that a hung Redis is
-    noticed well within the TTL (the store's connection waits up to 5 s)."""
+    noticed well within the TTL (the store's connection waits up to 5 s). With `acks`, an
+    acquisition or renewal counts only once that many replicas hold it: a primary cut off
+    from its replicas cannot keep a coordinator in office past the TTL."""
     timeout = max(0.1, ttl_s / 6)
-    return redisutil.connect(url, tls, timeout_s=timeout, connect_timeout_s=timeout)
+    return redisutil.connect(
+        url, tls, timeout_s=timeout, connect_timeout_s=timeout, acks=acks, wait_ms=max(1, int(timeout * 800))
+    )
 
 
 def read_holder(client: redis.Redis, key: str = LEASE_KEY) -> Holder | None:
@@ -202,7 +209,7 @@ class Lease:
         """Takes the lease if it is free (raises redis errors)."""
         token = uuid.uuid4().hex
         sent = self.clock()
-        fence = int(self._acquire(keys=[self.key, self.fence_key], args=[token, self.identity, self.ttl_ms]))
+        fence = int(self._replicated(self._acquire, [self.key, self.fence_key], [token, self.identity, self.ttl_ms]))
         if fence == 0:
             return False
         self.holder = Holder(fence, token, self.identity)
@@ -219,7 +226,7 @@ class Lease:
                 if self.try_acquire():
                     return True
                 warned = False
-            except redis.RedisError as exc:
+            except (redis.RedisError, NotReplicated) as exc:
                 if not warned:
                     log.warning("cannot reach Redis for the coordinator lease", extra={"error": str(exc)})
                     warned = True
@@ -230,7 +237,14 @@ class Lease:
         """Extends the lease while it is still ours; False when it is not (raises redis errors)."""
         if self.holder is None:
             return False
-        return bool(self._renew(keys=[self.key], args=[self.holder.encode(), self.ttl_ms]))
+        return bool(self._replicated(self._renew, [self.key], [self.holder.encode(), self.ttl_ms]))
+
+    def _replicated(self, script: Any, keys: list[str], args: list[Any]) -> Any:
+        """A lease script's reply, in a transaction: a client that waits for replicas
+        (unicron.redis_replication) returns it only once they hold what it wrote."""
+        with self._redis.pipeline() as pipe:
+            script(keys=keys, args=args, client=pipe)
+            return pipe.execute()[0]
 
     def release(self) -> bool:
         """Gives the lease back (only if still ours), so a standby takes over at once."""
@@ -285,7 +299,7 @@ class LeaseKeeper:
         sent = self.lease.clock()
         try:
             outcome = Renewal.RENEWED if self.lease.renew() else Renewal.LOST
-        except redis.RedisError:
+        except (redis.RedisError, NotReplicated):
             outcome = Renewal.UNREACHABLE
         if outcome is Renewal.RENEWED:
             self.last_renewed_at = sent

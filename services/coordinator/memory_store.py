@@ -277,6 +277,9 @@ class MemoryStore:
             out.append((command_id, command))
         return out
 
+    def barrier(self) -> None:
+        """Nothing to wait for: memory has no replicas."""
+
     def wait_for_commands(self, cursors: Mapping[str, str], block_ms: int) -> dict[str, str]:
         def newest() -> dict[str, str]:
             names = {node_id: f"commands:{node_id}" for node_id in cursors}

@@ -46,6 +46,8 @@ from services.coordinator.redis_keys import (
 )
 from services.coordinator.store import JobWrite, holds_its_name, storable
 from unicron.errors import AlreadyExists, Conflict, NotFound, Unavailable
+from unicron.redis_replication import barrier as replication_barrier
+from unicron.redis_replication import unavailable_reply
 from unicron.v1 import common_pb2, node_service_pb2
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -76,7 +78,8 @@ def _with_progress(job: common_pb2.Job, progress: bytes | None) -> common_pb2.Jo
 
 
 def redis_errors(method: F) -> F:
-    """Redis outages surface as Unavailable, which callers map to UNAVAILABLE."""
+    """Redis outages surface as Unavailable, which callers map to UNAVAILABLE; so do a write
+    that replicas did not acknowledge in time (NotReplicated) and a replication refusal."""
 
     @functools.wraps(method)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -84,6 +87,13 @@ def redis_errors(method: F) -> F:
             return method(*args, **kwargs)
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             raise Unavailable(f"state store unreachable: {exc}") from None
+        except redis.ResponseError as exc:
+            # A primary fenced off from its replicas, or one demoted by a failover: the write
+            # was refused, and a retry (at the new primary) may succeed.
+            reason = unavailable_reply(exc)
+            if reason is None:
+                raise
+            raise Unavailable(f"state store: {reason}") from None
 
     return wrapper  # type: ignore[return-value]
 
@@ -569,6 +579,10 @@ class RedisStore:
                 node_id = key.decode().removeprefix(f"{PREFIX}node:").removesuffix(":commands")
                 newest[node_id] = entries[-1][0].decode()
         return newest
+
+    @redis_errors
+    def barrier(self) -> None:
+        replication_barrier(self._redis)
 
     # ---- helpers ----------------------------------------------------------------------
 

@@ -121,6 +121,11 @@ class Store(Protocol):
     def wait_for_commands(self, cursors: Mapping[str, str], block_ms: int) -> dict[str, str]:
         """Waits for a command after any node's cursor; returns those nodes' newest ids."""
 
+    def barrier(self) -> None:
+        """Returns once everything read so far is as durable as an acknowledged write (on the
+        replicas writes wait for); Unavailable when it is not in time. What an agent is told
+        passes one first: it may have been read before its writer's wait ended."""
+
 
 _ENDED = frozenset({common_pb2.JOB_STATE_SUCCEEDED, common_pb2.JOB_STATE_FAILED, common_pb2.JOB_STATE_CANCELLED})
 

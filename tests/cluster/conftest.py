@@ -8,10 +8,8 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.conftest import running, wait_for
-from tests.trainer.harness import relative_difference
+from tests.e2e.conftest import assert_exact, final_params, running, wait_for  # noqa: F401 (re-exported)
 from unicron.client import UnicronClient
-from unicron.trainer import checkpoint
 from unicron.v1 import common_pb2
 from unicron_dev import netns
 from unicron_dev.localcluster import tiny_gpt
@@ -63,31 +61,12 @@ def nodes_of(job: common_pb2.Job) -> set[str]:
     return {w.node_id for w in job.assignment.workers if w.ranks}
 
 
-def final_params(cluster: NetCluster, job: common_pb2.Job) -> dict[str, Any]:
-    """The model parameters of the job's last checkpoint, which must be of its last
-    iteration (the agents of these hosts share one checkpoint directory)."""
-    root = cluster.run_dir / "agents" / "checkpoints" / job.job_id
-    (iteration, *_) = checkpoint.list_complete(root)
-    assert iteration == job.spec.training.iterations
-    saved = checkpoint.read_manifest(root, iteration)["layout"]
-    found = checkpoint.find_latest(root, checkpoint.layout_of_config(saved["model"], 1, 1))
-    assert found is not None and found[0] == iteration
-    return dict(found[1]["model"])
-
-
 @pytest.fixture(scope="module")
 def reference(cluster: NetCluster) -> dict[str, Any]:
     """The final parameters of a failure-free run of `elastic`'s job on four hosts."""
     with cluster.client() as client:
         client.submit(elastic("reference"))
         return final_params(cluster, succeeded_once(client, "reference"))
-
-
-def assert_exact(cluster: NetCluster, job: common_pb2.Job, reference: dict[str, Any]) -> None:
-    """The job's final parameters equal the failure-free run's, every tensor within 1e-6
-    relative (the global batch is the same at every data-parallel degree)."""
-    worst = relative_difference(final_params(cluster, job), reference)
-    assert worst <= 1e-6, f"a tensor differs from the failure-free run's by {worst:.2e} relative"
 
 
 # What each fault test measured (detection and recovery seconds), printed after the run: the

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import psutil
 
+from tests.trainer.harness import relative_difference
 from unicron.client import UnicronClient
+from unicron.trainer import checkpoint
 from unicron.v1 import common_pb2
 from unicron_dev.localcluster import LocalCluster
 
@@ -40,3 +42,22 @@ def wait_for(
         assert time.monotonic() < deadline, f"{name}: {what} (state {job.state}, {job.reason}; lately: {recent})"
         time.sleep(0.2)
     return job
+
+
+def final_params(cluster: LocalCluster, job: common_pb2.Job) -> dict[str, Any]:
+    """The model parameters of the job's last checkpoint, which must be of its last
+    iteration (the agents of these hosts share one checkpoint directory)."""
+    root = cluster.run_dir / "agents" / "checkpoints" / job.job_id
+    (iteration, *_) = checkpoint.list_complete(root)
+    assert iteration == job.spec.training.iterations
+    saved = checkpoint.read_manifest(root, iteration)["layout"]
+    found = checkpoint.find_latest(root, checkpoint.layout_of_config(saved["model"], 1, 1))
+    assert found is not None and found[0] == iteration
+    return dict(found[1]["model"])
+
+
+def assert_exact(cluster: LocalCluster, job: common_pb2.Job, reference: dict[str, Any]) -> None:
+    """The job's final parameters equal the failure-free run's, every tensor within 1e-6
+    relative (the global batch is the same at every data-parallel degree)."""
+    worst = relative_difference(final_params(cluster, job), reference)
+    assert worst <= 1e-6, f"a tensor differs from the failure-free run's by {worst:.2e} relative"
