@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 GEN_STAMP := unicron/v1/.generated
 PROTOS := $(wildcard proto/unicron/v1/*.proto)
 
-.PHONY: all venv gen redis prometheus compose-v1 demo certs test test-e2e test-unit test-cluster lint fmt clean bench-planner bench-detect bench-transition bench-sizes bench-sizes-fsdp bench-sizes-llm bench-conversion bench-buddy bench-sources bench-sim bench-load bench-load-steps bench-peers bench-peers-fsdp peers-venv compose-test gpu-image-test deploy-lock
+.PHONY: all venv gen redis prometheus compose-v1 demo certs test test-e2e test-unit test-cluster lint fmt clean bench-planner bench-detect bench-transition bench-sizes bench-sizes-fsdp bench-sizes-llm bench-conversion bench-buddy bench-sources bench-sim bench-load bench-load-steps bench-failover bench-peers bench-peers-fsdp peers-venv compose-test gpu-image-test deploy-lock
 
 all: test
 
@@ -115,6 +115,10 @@ bench-sim: gen
 
 bench-load: gen redis
 	$(PY) -m bench.load
+
+# The control plane's unavailability: a single Redis restarted against a Sentinel failover.
+bench-failover: gen redis
+	$(PY) -m bench.failover
 
 # The control plane at 250, 500, 1,000 and 2,000 simulated agents (bench/README.md).
 bench-load-steps: gen redis
