@@ -94,12 +94,28 @@ def test_compose_holds_the_whole_stack() -> None:
     assert roles.count("planner") >= 2
     assert roles.count("agent") >= 2
     assert {"redis", "otel-collector", "jaeger"} <= set(services)
-    redis = services["redis"]["command"]
-    assert redis[redis.index("--appendonly") + 1] == "yes"
-    assert any(volume.endswith(":/data") for volume in services["redis"]["volumes"])
+    # Redis replicated under Sentinel: a primary and two replicas, each on a disk of its own
+    # and refusing writes no replica acknowledges; three sentinels watching them.
+    servers = ["redis", "redis-replica-1", "redis-replica-2"]
+    for name in servers:
+        redis = services[name]["command"]
+        assert redis[redis.index("--appendonly") + 1] == "yes", name
+        assert redis[redis.index("--min-replicas-to-write") + 1] == "1", name
+        assert redis[redis.index("--replica-announce-ip") + 1] == name, name
+    assert [flag(services[n]["command"], "--replicaof") for n in servers[1:]] == ["redis", "redis"]
+    data = [next(v for v in services[name]["volumes"] if v.endswith(":/data")) for name in servers]
+    assert len(set(data)) == 3
+    sentinels = [f"sentinel-{i}" for i in (1, 2, 3)]
+    for name in sentinels:
+        assert services[name]["environment"]["SENTINEL_ANNOUNCE"] == name
+        assert any(volume.endswith(":/data") for volume in services[name]["volumes"])
     assert set(compose["volumes"]) >= {"redis-data", "checkpoints"}
-    # The coordinator waits for a healthy Redis and planners; users reach it from the host.
-    assert services["coordinator"]["depends_on"]["redis"]["condition"] == "service_healthy"
+    # The coordinator reaches Redis through the sentinels and waits for them and the planners;
+    # users reach it from the host.
+    url = services["coordinator"]["environment"]["UNICRON_COORDINATOR_REDIS_URL"]
+    assert url == "rediss+sentinel://" + ",".join(f"{n}:26379" for n in sentinels) + "/unicron"
+    for name in sentinels:
+        assert services["coordinator"]["depends_on"][name]["condition"] == "service_healthy"
     assert "127.0.0.1:50051:50051" in services["coordinator"]["ports"]
 
 
@@ -328,9 +344,13 @@ def test_plaintext_is_an_override_that_asks_for_it_everywhere() -> None:
         assert not any(env.get(v) for v in OTLP_TLS), name
     coordinator = services["coordinator"]["environment"]
     assert coordinator["UNICRON_COORDINATOR_TOKENS_FILE"] == ""
-    assert coordinator["UNICRON_COORDINATOR_REDIS_URL"].startswith("redis://")
-    assert not [arg for arg in services["redis"]["command"] if arg.startswith("--tls")]
-    assert "--tls" not in services["redis"]["healthcheck"]["test"]
+    assert coordinator["UNICRON_COORDINATOR_REDIS_URL"].startswith("redis+sentinel://")
+    for name in ("redis", "redis-replica-1", "redis-replica-2"):
+        assert not [arg for arg in services[name]["command"] if arg.startswith("--tls")], name
+        assert "--tls" not in services[name]["healthcheck"]["test"], name
+    for name in ("sentinel-1", "sentinel-2", "sentinel-3"):
+        assert services[name]["environment"]["SENTINEL_TLS"] == "0", name
+        assert "--tls" not in services[name]["healthcheck"]["test"], name
     assert services["otel-collector"]["command"] == ["--config=/etc/otelcol/config.yaml"]
 
 
@@ -387,7 +407,7 @@ def test_redis_and_the_collector_take_mutual_tls_alone_by_default(override: str)
         assert in_its_share(redis, flag(command, option)), option
     assert "--tls" in redis["healthcheck"]["test"]
     assert redis["depends_on"]["certs"]["condition"] == "service_completed_successfully"
-    assert services["coordinator"]["environment"]["UNICRON_COORDINATOR_REDIS_URL"].startswith("rediss://")
+    assert services["coordinator"]["environment"]["UNICRON_COORDINATOR_REDIS_URL"].startswith("rediss")
     # Redis's image runs as its own user: its share is that user's, or Redis cannot read the key.
     assert certs_step()[1]["/shares/redis"].endswith("@999:999")
 
@@ -503,7 +523,8 @@ def test_redis_runs_on_its_share_and_admits_the_coordinator_alone(stack_certs: d
     proc = subprocess.Popen([binary, *command[1:], "--bind", "127.0.0.1"], stdout=subprocess.DEVNULL)
     try:
         env = service_env(services["coordinator"], stack_certs)
-        url = env["UNICRON_COORDINATOR_REDIS_URL"].replace("redis:6379", f"127.0.0.1:{port}")
+        # The primary the sentinels name, reached as the coordinator reaches it: over TLS.
+        url = f"rediss://127.0.0.1:{port}/0"
         config = CoordinatorConfig(
             redis_url=url,
             tls_ca=env["UNICRON_COORDINATOR_TLS_CA"],
@@ -521,6 +542,78 @@ def test_redis_runs_on_its_share_and_admits_the_coordinator_alone(stack_certs: d
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_the_redis_group_runs_on_its_shares_and_the_coordinator_trusts_it(
+    stack_certs: dict[str, Path], tmp_path: Path
+) -> None:
+    """compose.yaml's three Redis servers and deploy/sentinel.sh's three sentinels, run here on
+    the certs step's shares (each on a port of 127.0.0.1): the sentinels find the replicas over
+    TLS, and the coordinator's settings see a group it may act on and get a write acknowledged."""
+    import shutil
+
+    from services.coordinator.__main__ import CoordinatorConfig, redis_tls
+    from unicron import redisutil
+
+    binary = shutil.which("redis-server")
+    assert binary, "redis-server is not installed (make redis)"
+    services = load("compose.yaml")["services"]
+    certs = str(stack_certs["certs-redis"])
+    ports = {name: free_port() for name in ("redis", "redis-replica-1", "redis-replica-2")}
+    procs = []
+    try:
+        for name, port in ports.items():
+            command = [arg.replace("/var/lib/unicron/certs", certs) for arg in services[name]["command"]]
+            (tmp_path / name).mkdir()
+            command[command.index("--dir") + 1] = str(tmp_path / name)
+            command[command.index("--tls-port") + 1] = str(port)
+            command[command.index("--replica-announce-ip") + 1] = "127.0.0.1"
+            if "--replicaof" in command:
+                at = command.index("--replicaof")
+                command[at + 1 : at + 3] = ["127.0.0.1", str(ports["redis"])]
+            procs.append(subprocess.Popen([binary, *command[1:], "--bind", "127.0.0.1"], stdout=subprocess.DEVNULL))
+        sentinels = []
+        for i in (1, 2, 3):
+            port = free_port()
+            (tmp_path / f"sentinel-{i}").mkdir()
+            env = {
+                **os.environ,
+                "SENTINEL_ANNOUNCE": "",
+                "SENTINEL_BIND": "127.0.0.1",
+                "SENTINEL_PORT": str(port),
+                "SENTINEL_PRIMARY": f"127.0.0.1 {ports['redis']}",
+                "SENTINEL_DIR": str(tmp_path / f"sentinel-{i}"),
+                "SENTINEL_CERTS": certs,
+            }
+            procs.append(subprocess.Popen(["sh", str(DEPLOY / "sentinel.sh")], env=env, stdout=subprocess.DEVNULL))
+            sentinels.append(f"127.0.0.1:{port}")
+        env = service_env(services["coordinator"], stack_certs)
+        url = f"rediss+sentinel://{','.join(sentinels)}/unicron"
+        config = CoordinatorConfig(
+            redis_url=url,
+            tls_ca=env["UNICRON_COORDINATOR_TLS_CA"],
+            tls_cert=env["UNICRON_COORDINATOR_TLS_CERT"],
+            tls_key=env["UNICRON_COORDINATOR_TLS_KEY"],
+            tokens_file=env["UNICRON_COORDINATOR_TOKENS_FILE"],
+        )
+        deadline = time.monotonic() + 30
+        problem: str | None = "not asked"
+        while problem is not None:
+            assert time.monotonic() < deadline, f"the coordinator never trusted the group: {problem}"
+            assert all(proc.poll() is None for proc in procs), "a server or sentinel exited"
+            time.sleep(0.2)
+            try:
+                problem = redisutil.replication_problem_at(url, redis_tls(config), config.acks)
+            except Exception as exc:  # noqa: BLE001 (a sentinel still starting: ask again)
+                problem = str(exc)
+        client = redisutil.connect(url, redis_tls(config), acks=config.acks)
+        with client.pipeline() as pipe:
+            pipe.set("unicron:compose-check", "1")
+            assert pipe.execute() == [True]
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
 
 
 def test_the_backends_certificates_name_them_and_open_nothing(stack_certs: dict[str, Path]) -> None:
