@@ -112,7 +112,8 @@ def test_the_workloads_the_issue_asks_for(objects: list[Object]) -> None:
     # Coordinators: more than one, on the Redis lease; only the active one is Ready.
     assert deployments["coordinator"]["spec"]["replicas"] >= 2
     coordinator_env = _env(deployments["coordinator"])
-    assert coordinator_env["UNICRON_COORDINATOR_REDIS_URL"].startswith("rediss://redis:")
+    sentinels = ",".join(f"redis-{i}.redis:26379" for i in range(3))
+    assert coordinator_env["UNICRON_COORDINATOR_REDIS_URL"] == f"rediss+sentinel://{sentinels}/unicron"
     # Planner replicas, scaled by an autoscaler.
     hpa = by_kind(objects, "HorizontalPodAutoscaler")["planner"]
     assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "planner"}
@@ -121,10 +122,18 @@ def test_the_workloads_the_issue_asks_for(objects: list[Object]) -> None:
     agent = by_kind(objects, "DaemonSet")["agent"]["spec"]["template"]["spec"]
     assert agent["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
     assert "nvidia.com/gpu" in agent["containers"][0]["resources"]["limits"]
+    # Redis under Sentinel: three pods, each a server and a sentinel on a node of its own.
     redis = by_kind(objects, "StatefulSet")["redis"]["spec"]
-    args = redis["template"]["spec"]["containers"][0]["args"]
-    assert args[args.index("--appendonly") + 1] == "yes"
-    assert redis["volumeClaimTemplates"]
+    assert redis["replicas"] == 3 and redis["volumeClaimTemplates"]
+    assert [c["name"] for c in redis["template"]["spec"]["containers"]] == ["redis", "sentinel"]
+    (spread,) = redis["template"]["spec"]["affinity"]["podAntiAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ]
+    assert spread["topologyKey"] == "kubernetes.io/hostname"
+    scripts = by_kind(objects, "ConfigMap")["redis"]["data"]
+    for flag in ("--appendonly yes", "--min-replicas-to-write 1", "--tls-replication yes", "--tls-auth-clients yes"):
+        assert flag in scripts["redis.sh"], flag
+    assert "sentinel monitor unicron redis-0.redis 6379 2" in scripts["sentinel.sh"]
     assert "otel-collector" in deployments
     assert {o["metadata"]["namespace"] for o in objects if o["kind"] != "Namespace"} == {"unicron"}
 
@@ -197,12 +206,17 @@ def _mounted(container: Object, path: str) -> bool:
 
 def test_redis_and_the_collector_take_mutual_tls_alone(objects: list[Object]) -> None:
     redis_pod = by_kind(objects, "StatefulSet")["redis"]["spec"]["template"]["spec"]
-    (redis,) = redis_pod["containers"]
-    args = redis["args"]
+    scripts = by_kind(objects, "ConfigMap")["redis"]["data"]
+    args = scripts["redis.sh"].split()
     assert args[args.index("--port") + 1] == "0" and args[args.index("--tls-auth-clients") + 1] == "yes"
-    for option in ("--tls-cert-file", "--tls-key-file", "--tls-ca-cert-file"):
-        assert _mounted(redis, args[args.index(option) + 1]), option
-    assert "--tls" in redis["readinessProbe"]["exec"]["command"]
+    sentinel = dict(line.split(" ", 1) for line in scripts["sentinel.sh"].splitlines() if line.startswith("tls-"))
+    assert sentinel["tls-auth-clients"] == "yes" and sentinel["tls-replication"] == "yes"
+    for container in redis_pod["containers"]:
+        for option in ("--tls-cert-file", "--tls-key-file", "--tls-ca-cert-file"):
+            assert _mounted(container, args[args.index(option) + 1]), option
+        for option in ("tls-cert-file", "tls-key-file", "tls-ca-cert-file"):
+            assert _mounted(container, sentinel[option]), option
+        assert "--tls" in container["readinessProbe"]["exec"]["command"]
     # The Job writes the keys 0600 as uid 10001: Redis must run as that user to read its own.
     assert redis_pod["securityContext"]["runAsUser"] == 10001
 
@@ -232,6 +246,7 @@ def test_the_certificates_are_made_by_an_init_step(objects: list[Object]) -> Non
     hosts = maker["args"][maker["args"].index("--hosts") + 1].split(",")
     # The names the agents and the coordinator dial, Redis's and the collector's too.
     assert {"coordinator", "planner", "redis", "otel-collector"} <= set(hosts)
+    assert {f"redis-{i}.redis" for i in range(3)} <= set(hosts)  # the names the servers announce
     assert by_kind(objects, "PersistentVolumeClaim")["pki"]["spec"]["accessModes"] == ["ReadWriteMany"]
     # Each agent issues its own node certificate from the CA; its agent sees no CA key.
     agent = by_kind(objects, "DaemonSet")["agent"]["spec"]["template"]["spec"]
