@@ -2,7 +2,7 @@
 under 1,000 simulated agents heartbeating every second and 100 jobs reporting progress, then a
 burst in which 10% of the agents vanish at once.
 
-    python -m bench.load [--quick] [--agents N] [--jobs N] [--minutes M]
+    python -m bench.load [--quick] [--agents N] [--jobs N] [--minutes M] [--redis-replicas N]
 
 The agents (bench/load_agents.py) speak the real agent protocol from a few separate processes;
 only trainers are missing. Measured: heartbeat and progress-report latency at the agents
@@ -14,8 +14,14 @@ coordinator's own records (each node's `state_since`, each assignment's `assigne
 the burst is over: a client polling a busy coordinator would add its own delays, and its polls
 would load what they measure. Latency targets hold for the steady
 load; the jobs' start and the burst are reported apart. Before the load, the same latencies
-with 10 agents give the unloaded baseline of this machine, in the same run. Results go to
-bench/results/load.json and a table to stdout; the exit status is 0 whatever the numbers.
+with 10 agents give the unloaded baseline of this machine, in the same run.
+
+The agents share the machine with the coordinator, so they also measure their own lateness;
+a step whose generator fell behind is reported but not judged (bench/load_verdict.py). A step
+that breaks (agents that cannot register in time, a call the coordinator does not answer) is a
+result too: its report says why. Results go to bench/results/load.json and a table to stdout.
+Exit status: 0 when every judged step met its targets, 1 when one missed them or failed, 2 when
+no step could be judged, 130 when interrupted.
 """
 
 from __future__ import annotations
@@ -23,9 +29,9 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import select
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -36,21 +42,29 @@ from typing import Any
 
 import psutil
 
-from bench.common import log, percentile, write_results
+from bench.common import log, write_results
+from bench.load_verdict import (
+    HEARTBEAT_TIMEOUT_S,
+    Marks,
+    Measured,
+    exit_code,
+    format_steps,
+    format_table,
+    latency_row,
+    skipped_row,
+    step_report,
+    step_row,
+)
 from unicron.client import UnicronClient
 from unicron.v1 import common_pb2 as pb
 from unicron_dev.localcluster import ROOT, LocalCluster, tiny_gpt
 
-RESULTS = Path(__file__).resolve().parent / "results" / "load.json"
-HEARTBEAT_TIMEOUT_S = 3.0
-# Targets of the issue, on a 2-core machine.
-P99_TARGET_MS = 50.0
-BURST_SLACK_S = 2.0
-# "No memory growth": the coordinator's resident memory at the end of the steady run may exceed
-# its level after warm-up by at most this much (allocator noise and caches that fill once).
-RSS_GROWTH_LIMIT = 0.10
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
 AGENTS_PER_PROCESS = 500
 SAMPLE_S = 5.0
+# How long the simulated agents may take to register before the step fails (they retry with
+# backoff meanwhile, as real agents do).
+REGISTRATION_LIMIT_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -62,6 +76,15 @@ class Settings:
     steady_s: float
     burst_fraction: float
     baseline_s: float
+    # 0: one Redis; more: a primary with this many replicas under Sentinel, every write
+    # acknowledged once a replica holds it (unicron_dev.redis_group)
+    redis_replicas: int = 0
+
+
+def results_path(name: str, replicas: int) -> Path:
+    """A results file of bench/results; runs against replicated Redis get their own, so that
+    the two can be compared side by side."""
+    return RESULTS_DIR / (f"{name}_replicas{replicas}.json" if replicas else f"{name}.json")
 
 
 class AgentProcesses:
@@ -87,12 +110,21 @@ class AgentProcesses:
         self.prefix = prefix
 
     def wait_registered(self, timeout_s: float) -> None:
+        """Until every process says its agents are registered; RuntimeError past `timeout_s`
+        or when one cannot register them (its processes go on until `stop`)."""
         deadline = time.monotonic() + timeout_s
-        for proc, _, _ in self.procs:
+        for done, (proc, _, _) in enumerate(self.procs):
             assert proc.stdout is not None
+            # Nothing else is written before this line, so the pipe holds no buffered text yet.
+            ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise RuntimeError(
+                    f"the simulated agents did not register within {timeout_s:g} s "
+                    f"({done} of {len(self.procs)} agent processes done)"
+                )
             line = proc.stdout.readline().strip()
-            if line != "registered" or time.monotonic() > deadline:
-                raise RuntimeError(f"simulated agents did not register (said {line!r}, exit {proc.poll()})")
+            if line != "registered":
+                raise RuntimeError(f"simulated agents did not register: {line or f'exit {proc.poll()}'}")
 
     def vanish(self, node_ids: list[str]) -> None:
         for proc, _, _ in self.procs:
@@ -104,9 +136,12 @@ class AgentProcesses:
             proc.stdout.readline()
 
     def stop(self) -> dict[str, Any]:
+        """Stops every process and merges their statistics. `loop_lag` keeps each process's
+        probe apart, with the agents it held (None for a process that died), to tell whose
+        losses coincide with whose lateness."""
         merged: dict[str, Any] = {"heartbeats": [], "progress": [], "errors": {}, "unknown_heartbeats": 0,
-                                  "commands": {}, "vanished": {}}  # fmt: skip
-        for proc, out, _ in self.procs:
+                                  "commands": {}, "vanished": {}, "loop_lag": [], "processes_died": 0}  # fmt: skip
+        for proc, out, held in self.procs:
             try:
                 if proc.poll() is None and proc.stdin is not None:
                     proc.stdin.write("stop\n")
@@ -115,14 +150,18 @@ class AgentProcesses:
             except (subprocess.TimeoutExpired, BrokenPipeError):
                 proc.kill()
                 proc.wait()
-            if not out.exists():
+            try:
+                part = json.loads(out.read_text())
+            except (OSError, ValueError):
+                merged["processes_died"] += 1
                 merged["errors"]["agents_process_died"] = merged["errors"].get("agents_process_died", 0) + 1
+                merged["loop_lag"].append((held, None))
                 continue
-            part = json.loads(out.read_text())
             merged["heartbeats"] += part["heartbeats"]
             merged["progress"] += part["progress"]
             merged["unknown_heartbeats"] += part["unknown_heartbeats"]
             merged["vanished"].update(part["vanished"])
+            merged["loop_lag"].append((held, part["loop_lag"]))
             for table in ("errors", "commands"):
                 for key, value in part[table].items():
                     merged[table][key] = merged[table].get(key, 0) + value
@@ -133,39 +172,30 @@ def node_name(prefix: str, index: int) -> str:
     return f"{prefix}-{index:05d}"
 
 
-def latency_row(calls: list[tuple[float, float]], start: float = 0.0, end: float = float("inf")) -> dict[str, Any]:
-    """Latency of the calls sent within [start, end), from (time sent, milliseconds) pairs."""
-    samples = [ms for sent, ms in calls if start <= sent < end]
-    return {
-        "n": len(samples),
-        "p50_ms": round(percentile(samples, 0.5), 3) if samples else None,
-        "p99_ms": round(percentile(samples, 0.99), 3) if samples else None,
-        "max_ms": round(max(samples), 3) if samples else None,
-    }
-
-
-def rss_growth(samples: list[tuple[float, float]]) -> float | None:
-    """Relative growth of resident memory from the first third of the steady run to the last
-    third (means, so one sample's allocator noise does not decide)."""
-    if len(samples) < 6:
-        return None
-    third = len(samples) // 3
-    early = statistics.fmean(rss for _, rss in samples[:third])
-    late = statistics.fmean(rss for _, rss in samples[-third:])
-    return (late - early) / early
-
-
 def measure_baseline(cluster: LocalCluster, settings: Settings, run_dir: Path) -> dict[str, Any]:
     """Heartbeat latency with 10 agents: this machine's floor, measured in the same run."""
     agents = AgentProcesses(cluster, "base", 10, settings.slots, run_dir)
-    agents.wait_registered(60)
-    time.sleep(settings.baseline_s)
-    stats = agents.stop()
+    try:
+        agents.wait_registered(60)
+        time.sleep(settings.baseline_s)
+    finally:
+        stats = agents.stop()
     return {"agents": 10, "heartbeat": latency_row(stats["heartbeats"]), "errors": stats["errors"]}
 
 
-def lost_nodes(client: UnicronClient, prefix: str) -> set[str]:
-    return {n.node_id for n in client.nodes() if n.node_id.startswith(prefix) and n.state == pb.NODE_STATE_LOST}
+def lost_nodes(client: UnicronClient, prefix: str) -> dict[str, float]:
+    """The nodes of `prefix` the coordinator holds LOST, with when it declared them lost."""
+    return {
+        n.node_id: seconds(n.state_since)
+        for n in client.nodes()
+        if n.node_id.startswith(prefix) and n.state == pb.NODE_STATE_LOST
+    }
+
+
+def note_false_losses(client: UnicronClient, measured: Measured, vanished: set[str] | None = None) -> None:
+    for node_id, lost_at in lost_nodes(client, "sim-").items():
+        if node_id not in (vanished or set()):
+            measured.false_losses.setdefault(node_id, lost_at)
 
 
 def seconds(timestamp: Any) -> float:
@@ -176,228 +206,163 @@ def job_nodes(job: pb.Job) -> set[str]:
     return {w.node_id for w in job.assignment.workers}
 
 
+def redis_servers() -> list[psutil.Process]:
+    """The Redis servers this bench started, replicas included, sentinels not (a server
+    rewrites its command line to `redis-server HOST:PORT`, a sentinel's ends in [sentinel])."""
+    found = []
+    for proc in psutil.Process().children():
+        try:
+            title = " ".join(proc.cmdline())
+        except psutil.Error:
+            continue
+        if "redis-server" in title and "sentinel" not in title:
+            found.append(proc)
+    return found
+
+
+def cpu_seconds(procs: list[psutil.Process]) -> float:
+    total = 0.0
+    for proc in procs:
+        try:
+            total += sum(proc.cpu_times()[:2])
+        except psutil.Error:
+            continue
+    return total
+
+
+def start_jobs(client: UnicronClient, settings: Settings, marks: Marks, measured: Measured) -> None:
+    marks.jobs_starting = time.time()
+    for i in range(settings.jobs):
+        client.submit(tiny_gpt(f"load-{i:03d}", data=settings.ranks_per_job))
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        measured.jobs_running = sum(j.state == pb.JOB_STATE_RUNNING for j in client.list_jobs())
+        if measured.jobs_running == settings.jobs:
+            break
+        time.sleep(1.0)
+    log(f"{measured.jobs_running} jobs running; steady load for {settings.steady_s:.0f}s")
+
+
+def hold_steady(
+    client: UnicronClient, coordinator: psutil.Process, settings: Settings, marks: Marks, measured: Measured
+) -> None:
+    marks.steady = time.time()
+    servers = redis_servers()
+    cpu_start, redis_start = cpu_seconds([coordinator]), cpu_seconds(servers)
+    wall_start = time.monotonic()
+    while time.monotonic() - wall_start < settings.steady_s:
+        time.sleep(SAMPLE_S)
+        measured.rss.append((time.monotonic() - wall_start, coordinator.memory_info().rss / 2**20))
+        note_false_losses(client, measured)
+    elapsed = time.monotonic() - wall_start
+    measured.cpu_cores = (cpu_seconds([coordinator]) - cpu_start) / elapsed
+    measured.redis_cpu_cores = (cpu_seconds(servers) - redis_start) / elapsed
+
+
+def burst(client: UnicronClient, agents: AgentProcesses, settings: Settings, marks: Marks, measured: Measured) -> None:
+    """10% of the agents vanish at once, the nodes of some jobs among them."""
+    before = {j.job_id: j for j in client.list_jobs()}
+    vanish = random.Random(7).sample(
+        [node_name("sim", i) for i in range(settings.agents)], int(settings.agents * settings.burst_fraction)
+    )
+    vanished = set(vanish)
+    measured.vanished = vanish
+    measured.hit = {job_id for job_id, job in before.items() if job_nodes(job) & vanished}
+    log(f"burst: {len(vanish)} agents vanish, {len(measured.hit)} jobs lose a node")
+    burst_at = marks.burst = time.time()
+    agents.vanish(vanish)
+    measured.unreplanned = set(measured.hit)
+    while time.time() - burst_at < 60:
+        time.sleep(0.5)
+        lost = {n.node_id: n for n in client.nodes() if n.state == pb.NODE_STATE_LOST}
+        if not vanished <= set(lost):
+            continue
+        hit_jobs = {j.job_id: j for j in client.list_jobs() if j.job_id in measured.hit}
+        measured.unreplanned = {
+            job_id
+            for job_id, job in hit_jobs.items()
+            if job.assignment.generation <= before[job_id].assignment.generation or job_nodes(job) & vanished
+        }
+        if not measured.unreplanned:
+            measured.detected_s = max(seconds(lost[n].state_since) for n in vanish) - burst_at
+            measured.replanned_s = max(seconds(job.assignment.assigned) for job in hit_jobs.values()) - burst_at
+            break
+    note_false_losses(client, measured, vanished)
+
+
+def drive(
+    client: UnicronClient,
+    coordinator: psutil.Process,
+    agents: AgentProcesses,
+    settings: Settings,
+    marks: Marks,
+    measured: Measured,
+) -> None:
+    """The step after its agents started: registration, the jobs' start, steady load, burst."""
+    agents.wait_registered(REGISTRATION_LIMIT_S)
+    assert marks.registration is not None
+    measured.registration_s = time.time() - marks.registration
+    log(f"agents registered in {measured.registration_s:.1f}s; submitting jobs")
+    start_jobs(client, settings, marks, measured)
+    hold_steady(client, coordinator, settings, marks, measured)
+    burst(client, agents, settings, marks, measured)
+
+
+def describe(exc: BaseException, marks: Marks) -> str:
+    """Why a step broke, and in which phase."""
+    return f"{marks.reached()}: {type(exc).__name__}: {exc}"
+
+
+def header(settings: Settings) -> dict[str, Any]:
+    return {
+        "agents": settings.agents,
+        "jobs": settings.jobs,
+        "redis": "sentinel" if settings.redis_replicas else "single",
+        "redis_replicas": settings.redis_replicas,
+    }
+
+
 def run(settings: Settings, run_dir: Path) -> dict[str, Any]:
-    report: dict[str, Any] = {"agents": settings.agents, "jobs": settings.jobs}
+    """One step; whatever breaks in it ends the step with a report that says why."""
+    marks, measured = Marks(), Measured()
+    stats: dict[str, Any] | None = None
+    baseline: dict[str, Any] | None = None
+    failure: str | None = None
     cluster = LocalCluster(
         run_dir / "cluster",
         agents=0,
         planners=2,
         heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S,
+        redis_replicas=settings.redis_replicas,
     )
-    with cluster, cluster.client(timeout_s=30.0) as client:
-        coordinator = psutil.Process(cluster.service("coordinator").proc.pid)
-        log("baseline: 10 agents")
-        report["baseline"] = measure_baseline(cluster, settings, run_dir)
-        log(f"baseline heartbeat p99 {report['baseline']['heartbeat']['p99_ms']} ms")
-        # The baseline's agents are gone; jobs must not be placed on them before that is known.
-        deadline = time.monotonic() + 30
-        while len(lost_nodes(client, "base-")) < 10 and time.monotonic() < deadline:
-            time.sleep(0.5)
-
-        log(f"starting {settings.agents} simulated agents")
-        agents = AgentProcesses(cluster, "sim", settings.agents, settings.slots, run_dir)
-        try:
-            registering_at = time.monotonic()
-            agents.wait_registered(300)
-            registration_s = time.monotonic() - registering_at
-            log(f"agents registered in {registration_s:.1f}s; submitting jobs")
-            starting_at = time.time()
-            for i in range(settings.jobs):
-                client.submit(tiny_gpt(f"load-{i:03d}", data=settings.ranks_per_job))
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline:
-                jobs = client.list_jobs()
-                placed = [j for j in jobs if j.state == pb.JOB_STATE_RUNNING]
-                if len(placed) == settings.jobs:
-                    break
-                time.sleep(1.0)
-            report["jobs_running"] = len(placed)
-            log(f"{len(placed)} jobs running; steady load for {settings.steady_s:.0f}s")
-
-            steady_at = time.time()
-            coordinator.cpu_percent(None)
-            cpu_start = sum(coordinator.cpu_times()[:2])
-            wall_start = time.monotonic()
-            rss: list[tuple[float, float]] = []
-            false_losses: set[str] = set()
-            while time.monotonic() - wall_start < settings.steady_s:
-                time.sleep(SAMPLE_S)
-                rss.append((time.monotonic() - wall_start, coordinator.memory_info().rss / 2**20))
-                false_losses |= lost_nodes(client, "sim-")
-            cpu_cores = (sum(coordinator.cpu_times()[:2]) - cpu_start) / (time.monotonic() - wall_start)
-
-            # The burst: 10% of the agents vanish at once, the nodes of some jobs among them.
-            before = {j.job_id: j for j in client.list_jobs()}
-            vanish = random.Random(7).sample(
-                [node_name("sim", i) for i in range(settings.agents)], int(settings.agents * settings.burst_fraction)
-            )
-            hit = {job_id for job_id, job in before.items() if job_nodes(job) & set(vanish)}
-            log(f"burst: {len(vanish)} agents vanish, {len(hit)} jobs lose a node")
-            burst_at = time.time()
-            agents.vanish(vanish)
-            detected_s = replanned_s = None
-            pending = set(hit)
-            while time.time() - burst_at < 60:
+    try:
+        with cluster, cluster.client(timeout_s=30.0) as client:
+            coordinator = psutil.Process(cluster.service("coordinator").proc.pid)
+            log("baseline: 10 agents")
+            baseline = measure_baseline(cluster, settings, run_dir)
+            log(f"baseline heartbeat p99 {baseline['heartbeat']['p99_ms']} ms")
+            # The baseline's agents are gone; jobs must not be placed on them before that is known.
+            deadline = time.monotonic() + 30
+            while len(lost_nodes(client, "base-")) < 10 and time.monotonic() < deadline:
                 time.sleep(0.5)
-                lost = {n.node_id: n for n in client.nodes() if n.state == pb.NODE_STATE_LOST}
-                if not set(vanish) <= set(lost):
-                    continue
-                hit_jobs = {j.job_id: j for j in client.list_jobs() if j.job_id in hit}
-                pending = {
-                    job_id
-                    for job_id, job in hit_jobs.items()
-                    if job.assignment.generation <= before[job_id].assignment.generation or job_nodes(job) & set(vanish)
-                }
-                if not pending:
-                    detected_s = max(seconds(lost[n].state_since) for n in vanish) - burst_at
-                    replanned_s = max(seconds(job.assignment.assigned) for job in hit_jobs.values()) - burst_at
-                    break
-            false_losses |= lost_nodes(client, "sim-") - set(vanish)
-        finally:
-            stats = agents.stop()
-
-    # The targets hold for the steady load; the jobs' start (a hundred submitted at once) and
-    # the burst are reported apart.
-    heartbeat = latency_row(stats["heartbeats"], steady_at, burst_at)
-    phases = {
-        name: {
-            "heartbeat": latency_row(stats["heartbeats"], start, end),
-            "progress": latency_row(stats["progress"], start, end),
-        }
-        for name, start, end in (
-            ("jobs_starting", starting_at, steady_at),
-            ("steady", steady_at, burst_at),
-            ("burst", burst_at, float("inf")),
-        )
-    }
-    growth = rss_growth(rss)
-    # A registration tried again (its deadline passed while the coordinator was busy with the
-    # others) is the agents' backoff doing its work, not a failed call: counted apart.
-    retries = {kind: n for kind, n in stats["errors"].items() if kind.startswith("register:")}
-    errors = sum(stats["errors"].values()) - sum(retries.values())
-    report.update(
-        {
-            "duration_s": round(settings.steady_s, 1),
-            "rpc_p50_ms": heartbeat["p50_ms"],
-            "rpc_p99_ms": heartbeat["p99_ms"],
-            "heartbeat": heartbeat,
-            "progress": phases["steady"]["progress"],
-            "phases": phases,
-            "registration_s": round(registration_s, 1),
-            "registration_retries": sum(retries.values()),
-            "errors": errors,
-            "errors_by_kind": stats["errors"],
-            "unknown_heartbeats": stats["unknown_heartbeats"],
-            "commands": stats["commands"],
-            "false_node_losses": len(false_losses),
-            "burst_agents": len(vanish),
-            "burst_jobs_hit": len(hit),
-            "burst_detection_s": None if detected_s is None else round(detected_s, 3),
-            "burst_replan_s": None if replanned_s is None else round(replanned_s, 3),
-            "burst_unreplanned_jobs": sorted(pending),
-            "coordinator_rss_mb": round(rss[-1][1], 1) if rss else None,
-            "coordinator_rss_growth": None if growth is None else round(growth, 4),
-            "coordinator_rss_samples_mb": [round(m, 1) for _, m in rss],
-            "coordinator_cpu": round(cpu_cores, 3),
-            "p99_ratio_to_baseline": (
-                round(heartbeat["p99_ms"] / report["baseline"]["heartbeat"]["p99_ms"], 2)
-                if heartbeat["p99_ms"] and report["baseline"]["heartbeat"]["p99_ms"]
-                else None
-            ),
-        }
-    )
-    burst_target = HEARTBEAT_TIMEOUT_S + BURST_SLACK_S
-    report["targets"] = {
-        "rpc_p99_ms": P99_TARGET_MS,
-        "burst_s": burst_target,
-        "rss_growth": RSS_GROWTH_LIMIT,
-    }
-    report["met"] = {
-        "rpc_p99": heartbeat["p99_ms"] is not None and heartbeat["p99_ms"] <= P99_TARGET_MS,
-        "errors": errors == 0,
-        "false_node_losses": not false_losses,
-        "burst": detected_s is not None and replanned_s is not None and max(detected_s, replanned_s) <= burst_target,
-        "memory": growth is not None and growth <= RSS_GROWTH_LIMIT,
-    }
-    report["targets_met"] = all(report["met"].values())
-    return report
+            log(f"starting {settings.agents} simulated agents")
+            agents = AgentProcesses(cluster, "sim", settings.agents, settings.slots, run_dir)
+            marks.registration = time.time()
+            try:
+                drive(client, coordinator, agents, settings, marks, measured)
+            except Exception as exc:  # noqa: BLE001 -- a step that breaks is a result: its report says why
+                failure = describe(exc, marks)
+            finally:
+                stats = agents.stop()
+    except Exception as exc:  # noqa: BLE001 -- a cluster that would not start, a baseline that broke
+        failure = failure or describe(exc, marks)
+    if failure:
+        log(f"step failed: {failure}")
+    return {**header(settings), "baseline": baseline, **step_report(stats, marks, measured, failure, baseline)}
 
 
-def format_table(report: dict[str, Any]) -> str:
-    met = report["met"]
-
-    def verdict(key: str) -> str:
-        return "PASS" if met[key] else "FAIL"
-
-    base = report["baseline"]["heartbeat"]
-    lines = [
-        f"{'measure':<34} {'value':>12} {'target':>10}  result",
-        "-" * 66,
-        f"{'steady: heartbeat p50 (ms)':<34} {report['rpc_p50_ms']!s:>12} {'-':>10}",
-        f"{'steady: heartbeat p99 (ms)':<34} {report['rpc_p99_ms']!s:>12} {P99_TARGET_MS:>10g}  {verdict('rpc_p99')}",
-        f"{'  10-agent baseline p99 (ms)':<34} {base['p99_ms']!s:>12} {'-':>10}",
-        f"{'steady: progress report p99 (ms)':<34} {report['progress']['p99_ms']!s:>12} {'-':>10}",
-        f"{'  while jobs start: heartbeat p99':<34} {report['phases']['jobs_starting']['heartbeat']['p99_ms']!s:>12} "
-        f"{'-':>10}",
-        f"{'  during the burst: heartbeat p99':<34} {report['phases']['burst']['heartbeat']['p99_ms']!s:>12} {'-':>10}",
-        f"{'registration (s)':<34} {report['registration_s']!s:>12} {'-':>10}",
-        f"{'  registrations tried again':<34} {report['registration_retries']!s:>12} {'-':>10}",
-        f"{'errors':<34} {report['errors']:>12} {0:>10}  {verdict('errors')}",
-        f"{'false node losses':<34} {report['false_node_losses']:>12} {0:>10}  {verdict('false_node_losses')}",
-        f"{'burst: all lost (s)':<34} {report['burst_detection_s']!s:>12} "
-        f"{report['targets']['burst_s']:>10g}  {verdict('burst')}",
-        f"{'burst: all re-planned (s)':<34} {report['burst_replan_s']!s:>12} {report['targets']['burst_s']:>10g}",
-        f"{'coordinator RSS (MB)':<34} {report['coordinator_rss_mb']!s:>12} {'-':>10}",
-        f"{'coordinator RSS growth':<34} {report['coordinator_rss_growth']!s:>12} "
-        f"{RSS_GROWTH_LIMIT:>10g}  {verdict('memory')}",
-        f"{'coordinator CPU (cores)':<34} {report['coordinator_cpu']!s:>12} {'-':>10}",
-        f"all targets met: {report['targets_met']}",
-    ]
-    return "\n".join(lines)
-
-
-STEPS_RESULTS = RESULTS.with_name("load_steps.json")
 # Minutes of steady load per step when --steps is given without --minutes.
 STEP_MINUTES = 1.5
-
-
-def step_row(report: dict[str, Any]) -> dict[str, Any]:
-    """One step's line of the scaling table."""
-    return {
-        "agents": report["agents"],
-        "jobs": report["jobs"],
-        "coordinator_cpu": report["coordinator_cpu"],
-        "rpc_p50_ms": report["rpc_p50_ms"],
-        "rpc_p99_ms": report["rpc_p99_ms"],
-        "baseline_p99_ms": report["baseline"]["heartbeat"]["p99_ms"],
-        "progress_p99_ms": report["progress"]["p99_ms"],
-        "registration_s": report.get("registration_s"),
-        "registration_retries": report.get("registration_retries"),
-        "errors": report["errors"],
-        "false_node_losses": report["false_node_losses"],
-        "burst_detection_s": report["burst_detection_s"],
-        "burst_replan_s": report["burst_replan_s"],
-        "coordinator_rss_mb": report["coordinator_rss_mb"],
-        "targets_met": report["targets_met"],
-        "met": report["met"],
-    }
-
-
-def format_steps(rows: list[dict[str, Any]]) -> str:
-    head = f"{'agents':>7} {'jobs':>5} {'reg s':>6} {'coord CPU':>9} {'hb p50 ms':>9} {'hb p99 ms':>9} {'errors':>6} "
-    head += f"{'false loss':>10} {'lost s':>7} {'replan s':>8} {'RSS MB':>7}  targets"
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        if "skipped" in r:
-            lines.append(f"{r['agents']:>7} {r['jobs']:>5}  skipped: {r['skipped']}")
-            continue
-        lines.append(
-            f"{r['agents']:>7} {r['jobs']:>5} {r.get('registration_s')!s:>6} {r['coordinator_cpu']!s:>9} "
-            f"{r['rpc_p50_ms']!s:>9} "
-            f"{r['rpc_p99_ms']!s:>9} {r['errors']:>6} {r['false_node_losses']:>10} {r['burst_detection_s']!s:>7} "
-            f"{r['burst_replan_s']!s:>8} {r['coordinator_rss_mb']!s:>7}  {'met' if r['targets_met'] else 'missed'}"
-        )
-    return "\n".join(lines)
 
 
 def _interrupt(_signum: int, _frame: Any) -> None:
@@ -414,15 +379,28 @@ def main(argv: list[str] | None = None) -> int:
         "--steps",
         default="",
         help="agent counts, e.g. 250,500,1000,2000: a run of each (jobs a tenth of the agents, "
-        f"{STEP_MINUTES:g} minutes each unless --minutes), the table of steps to {STEPS_RESULTS.name}",
+        f"{STEP_MINUTES:g} minutes each unless --minutes), the table of steps to load_steps.json",
+    )
+    parser.add_argument(
+        "--redis-replicas",
+        type=int,
+        default=0,
+        help="0: one Redis (default); N: a primary with N replicas under Sentinel, each write "
+        "acknowledged once a replica has it (results to *_replicasN.json)",
     )
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--keep-logs", action="store_true")
     args = parser.parse_args(argv)
+    if args.redis_replicas < 0:
+        parser.error("--redis-replicas: not negative")
     signal.signal(signal.SIGTERM, _interrupt)
-    if args.steps:
-        return run_steps(args)
-    return run_one(args, args.out or RESULTS)
+    try:
+        if args.steps:
+            return run_steps(args)
+        return run_one(args, args.out or results_path("load", args.redis_replicas))
+    except KeyboardInterrupt:
+        log("interrupted")
+        return 130
 
 
 def parse_steps(text: str) -> list[int]:
@@ -436,32 +414,55 @@ def parse_steps(text: str) -> list[int]:
 
 
 def run_steps(args: argparse.Namespace) -> int:
-    """The control plane at growing sizes: the same run per step, a row each."""
-    rows = []
+    """The control plane at growing sizes: the same run per step, a row each. A step that
+    failed skips the larger ones (they would fail the same way, at more cost); one whose
+    generator fell behind does not (the machine's load changes from minute to minute)."""
+    rows: list[dict[str, Any]] = []
     minutes = args.minutes if args.minutes is not None else STEP_MINUTES
+    target = args.out or results_path("load_steps", args.redis_replicas)
+    suffix = f"_replicas{args.redis_replicas}" if args.redis_replicas else ""
+    failed: int | None = None
+    interrupted = False
     for agents in parse_steps(args.steps):
-        log(f"step: {agents} agents")
-        step_args = argparse.Namespace(**{**vars(args), "agents": agents, "jobs": max(1, agents // 10)})
-        step_args.minutes = minutes
-        out = (args.out or STEPS_RESULTS).with_name(f"load_{agents}.json")
-        try:
-            run_one(step_args, out)
-        except RuntimeError as exc:
-            # A size the control plane cannot take is a result too: the row says why.
-            log(f"step {agents} skipped: {exc}")
-            rows.append({"agents": agents, "jobs": step_args.jobs, "skipped": str(exc)})
+        jobs = max(1, agents // 10)
+        if interrupted:
+            rows.append(skipped_row(agents, jobs, "the run was interrupted"))
             continue
-        rows.append(step_row(json.loads(out.read_text())))
-    target = args.out or STEPS_RESULTS
-    write_results(target, {"steps": rows, "steady_minutes_per_step": minutes, "cpus": psutil.cpu_count()})
+        if failed is not None and agents >= failed:
+            rows.append(skipped_row(agents, jobs, f"the {failed}-agent step failed"))
+            continue
+        log(f"step: {agents} agents")
+        step_args = argparse.Namespace(**{**vars(args), "agents": agents, "jobs": jobs, "minutes": minutes})
+        try:
+            report = measure(step_args)
+        except KeyboardInterrupt:
+            interrupted = True
+            rows.append(skipped_row(agents, jobs, "interrupted while it ran"))
+            continue
+        write_results(target.with_name(f"load_{agents}{suffix}.json"), report)
+        rows.append(step_row(report))
+        log(f"step {agents}: {report['verdict']}")
+        if report["failure"]:
+            failed = agents if failed is None else min(failed, agents)
+    write_results(
+        target,
+        {
+            "steps": rows,
+            "steady_minutes_per_step": minutes,
+            "cpus": psutil.cpu_count(),
+            "redis": "sentinel" if args.redis_replicas else "single",
+            "redis_replicas": args.redis_replicas,
+            "exit_code": 130 if interrupted else exit_code(rows),
+        },
+    )
     print(format_steps(rows))
     print(f"\nwrote {target}")
-    return 0
+    return 130 if interrupted else exit_code(rows)
 
 
-def run_one(args: argparse.Namespace, out: Path) -> int:
+def settings_of(args: argparse.Namespace) -> Settings:
     quick = args.quick
-    settings = Settings(
+    return Settings(
         agents=args.agents or (100 if quick else 1000),
         jobs=args.jobs or (10 if quick else 100),
         # Jobs of 4 ranks over nodes of 2 slots: each job spans 2 nodes, 200 of the 1,000.
@@ -470,14 +471,25 @@ def run_one(args: argparse.Namespace, out: Path) -> int:
         steady_s=60.0 * (args.minutes if args.minutes is not None else (1.0 if quick else 5.0)),
         burst_fraction=0.10,
         baseline_s=10.0 if quick else 20.0,
+        redis_replicas=args.redis_replicas,
     )
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """One step's report; never raises but for an interruption."""
+    settings = settings_of(args)
     run_dir = Path(tempfile.mkdtemp(prefix="bench-load-"))
     log(f"run directory {run_dir}")
     try:
         report = run(settings, run_dir)
+    except Exception as exc:  # noqa: BLE001 -- even a fault of the bench itself ends in a report
+        failure = f"the bench broke: {type(exc).__name__}: {exc}"
+        log(failure)
+        report = {**header(settings), "baseline": None, **step_report(None, Marks(), Measured(), failure, None)}
     finally:
         if not args.keep_logs:
             shutil.rmtree(run_dir, ignore_errors=True)
+    report["duration_s"] = round(settings.steady_s, 1)
     report["settings"] = {
         "agents": settings.agents,
         "jobs": settings.jobs,
@@ -486,12 +498,18 @@ def run_one(args: argparse.Namespace, out: Path) -> int:
         "steady_s": settings.steady_s,
         "burst_fraction": settings.burst_fraction,
         "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S,
+        "redis_replicas": settings.redis_replicas,
         "cpus": psutil.cpu_count(),
     }
+    return report
+
+
+def run_one(args: argparse.Namespace, out: Path) -> int:
+    report = measure(args)
     write_results(out, report)
     print(format_table(report))
     print(f"\nwrote {out}")
-    return 0
+    return exit_code([report])
 
 
 if __name__ == "__main__":

@@ -6,9 +6,15 @@ latency is from its write to its answer), holds its command stream open, acknowl
 command, and for the ranks it is given reports an iteration every second, batched per node as
 a real agent does. Only the trainers are missing: they would load the CPU this bench measures.
 
-The parent (bench/load.py) drives it through stdin, one command per line:
+The process also measures its own lateness, so that the parent can tell a coordinator that
+answered late from a generator that sent late: every beat and progress report records how long
+after it was due it went out, and a probe timer every 50 ms records the event loop's lag (how
+late a timer fires: the time this process was starved of CPU or busy with other agents).
+
+It says `registered` on stdout once every agent is registered (`failed: WHY` if one cannot
+be), and the parent drives it through stdin, one command per line, at any time:
   vanish NODE,NODE,...   those agents stop at once (no goodbye), as when their hosts die
-  stop                   every agent stops; the statistics are written to --out
+  stop                   every agent stops (registering ones too); the statistics go to --out
 """
 
 from __future__ import annotations
@@ -37,14 +43,19 @@ RETRY_S = 0.5
 RETRY_FIRST_S = 0.1
 RETRY_MAX_S = 2.0
 RETRYABLE = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+# The event-loop probe's period: fine enough to see a stall well under the heartbeat interval,
+# and 20 timers a second cost the loop nothing next to hundreds of agents.
+PROBE_S = 0.05
 
 
 @dataclass
 class Stats:
-    # (wall-clock time the call was sent, milliseconds it took): the parent splits them into
-    # the run's phases (jobs starting, steady load, burst)
-    heartbeats: list[tuple[float, float]] = field(default_factory=list)
-    progress: list[tuple[float, float]] = field(default_factory=list)
+    # (wall-clock time the call was sent, milliseconds it took, milliseconds it went out later
+    # than due): the parent splits them into the run's phases (jobs starting, steady, burst)
+    heartbeats: list[tuple[float, float, float]] = field(default_factory=list)
+    progress: list[tuple[float, float, float]] = field(default_factory=list)
+    # (wall-clock time, milliseconds late) of each probe timer: the event loop's lag
+    loop_lag: list[tuple[float, float]] = field(default_factory=list)
     errors: dict[str, int] = field(default_factory=dict)
     calls: dict[str, int] = field(default_factory=dict)
     unknown_heartbeats: int = 0
@@ -116,25 +127,24 @@ class SimAgent:
             task.cancel()
 
     async def _heartbeats(self) -> None:
-        # Agents start at random phases, as real ones do, rather than all in one instant.
-        await asyncio.sleep(random.uniform(0, self.interval_s))
         loop = asyncio.get_running_loop()
-        next_at = loop.time()
+        # Agents start at random phases, as real ones do, rather than all in one instant.
+        next_at = loop.time() + random.uniform(0, self.interval_s)
         while True:
             # One stream per agent, a beat and its answer per interval, as the real agent.
             call = self.stub.StreamHeartbeats(metadata=self.metadata)
             try:
                 while True:
+                    late_ms = await until(next_at)
                     sent, started = time.time(), time.perf_counter()
                     await call.write(nodes_pb.StreamHeartbeatsRequest(node_id=self.node_id))
                     reply = await call.read()
                     if reply is grpc.aio.EOF:
                         break
-                    self.stats.heartbeats.append((sent, (time.perf_counter() - started) * 1000))
+                    self.stats.heartbeats.append((sent, (time.perf_counter() - started) * 1000, late_ms))
                     if not reply.known:
                         self.stats.unknown_heartbeats += 1
                     next_at += self.interval_s
-                    await asyncio.sleep(max(0.0, next_at - loop.time()))
             except grpc.RpcError as exc:
                 self.stats.error("heartbeat", exc)
             finally:
@@ -198,9 +208,10 @@ class SimAgent:
             self.jobs.pop(job_id, None)
 
     async def _progress(self) -> None:
+        loop = asyncio.get_running_loop()
         await asyncio.sleep(random.uniform(0, PROGRESS_PERIOD_S))
         while True:
-            await asyncio.sleep(PROGRESS_PERIOD_S)
+            late_ms = await until(loop.time() + PROGRESS_PERIOD_S)
             if not self.jobs:
                 continue
             reports = []
@@ -226,13 +237,65 @@ class SimAgent:
                     timeout=CALL_TIMEOUT_S,
                     metadata=self.metadata,
                 )
-                self.stats.progress.append((sent, (time.perf_counter() - started) * 1000))
+                self.stats.progress.append((sent, (time.perf_counter() - started) * 1000, late_ms))
             except grpc.RpcError as exc:
                 self.stats.error("progress", exc)
 
 
+async def until(due: float) -> float:
+    """Sleeps until `due` (the event loop's clock) and returns how many milliseconds late it
+    woke: the generator's own lateness, the time its process was starved of CPU or its loop
+    busy with other agents. A send already past due when asked (the previous answer came late)
+    counts from the asking: that delay was the coordinator's, and its latency says so."""
+    loop = asyncio.get_running_loop()
+    target = max(due, loop.time())
+    await asyncio.sleep(target - loop.time())
+    return round(max(0.0, loop.time() - target) * 1000, 3)
+
+
+async def probe_lag(stats: Stats) -> None:
+    """The event loop's lag, sampled every PROBE_S from start to stop (registration included)."""
+    loop = asyncio.get_running_loop()
+    while True:
+        late_ms = await until(loop.time() + PROBE_S)
+        stats.loop_lag.append((time.time(), late_ms))
+
+
+async def register(agents: dict[str, SimAgent]) -> None:
+    """Registers every agent, in waves (a thousand simultaneous registrations are a storm no
+    cluster starts with), and tells the parent on stdout how it went."""
+    names = list(agents)
+    try:
+        for start in range(0, len(names), 50):
+            await asyncio.gather(*(agents[n].start() for n in names[start : start + 50]))
+    except grpc.RpcError as exc:
+        print(f"failed: registration: {exc.code().name}: {exc.details()}", flush=True)
+        return
+    except Exception as exc:  # noqa: BLE001 -- the parent waits for a line; it gets the reason
+        print(f"failed: registration: {type(exc).__name__}: {exc}", flush=True)
+        return
+    print("registered", flush=True)
+
+
+async def serve(reader: asyncio.StreamReader, agents: dict[str, SimAgent], stats: Stats) -> None:
+    """The parent's commands, until `stop` (or its end of stdin)."""
+    while True:
+        line = (await reader.readline()).decode().strip()
+        if not line or line == "stop":
+            return
+        verb, _, rest = line.partition(" ")
+        if verb == "vanish":
+            now = time.time()
+            for node_id in filter(None, rest.split(",")):
+                if node_id in agents:
+                    agents[node_id].vanish()
+                    stats.vanished[node_id] = now
+            print("vanished", flush=True)
+
+
 async def run(args: argparse.Namespace) -> None:
     stats = Stats()
+    probe = asyncio.create_task(probe_lag(stats))
     # A few channels, as a few hundred agents on separate hosts would not share one connection.
     # Mutual TLS with a client certificate of the cluster's CA, and the cluster's join token,
     # as agents without a node certificate of their own join.
@@ -249,26 +312,15 @@ async def run(args: argparse.Namespace) -> None:
         stub = nodes_grpc.NodeServiceStub(channels[i % len(channels)])
         domain = f"rack-{(args.first + i) % args.domains}"
         agents[node_id] = SimAgent(node_id, args.slots, domain, stub, stats, metadata)
-    # Register in waves: a thousand simultaneous registrations are a storm no cluster starts with.
-    names = list(agents)
-    for start in range(0, len(names), 50):
-        await asyncio.gather(*(agents[n].start() for n in names[start : start + 50]))
-    print("registered", flush=True)
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader()
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-    while True:
-        line = (await reader.readline()).decode().strip()
-        if not line or line == "stop":
-            break
-        verb, _, rest = line.partition(" ")
-        if verb == "vanish":
-            now = time.time()
-            for node_id in filter(None, rest.split(",")):
-                if node_id in agents:
-                    agents[node_id].vanish()
-                    stats.vanished[node_id] = now
-            print("vanished", flush=True)
+    # Commands are read while the agents register: a parent that gives up on a slow
+    # registration still gets the statistics (the generator's lag among them) of what happened.
+    registering = asyncio.create_task(register(agents))
+    await serve(reader, agents, stats)
+    registering.cancel()
+    probe.cancel()
     for agent in agents.values():
         agent.vanish()
     for channel in channels:
@@ -284,6 +336,7 @@ def _summary(stats: Stats) -> dict[str, Any]:
         "unknown_heartbeats": stats.unknown_heartbeats,
         "commands": stats.commands,
         "vanished": stats.vanished,
+        "loop_lag": stats.loop_lag,
     }
 
 
