@@ -33,11 +33,14 @@ class ClientError(Exception):
 
 def _unwrap(exc: grpc.RpcError, address: str) -> ClientError:
     code = exc.code()
-    if code == grpc.StatusCode.UNAVAILABLE and (exc.details() or "").startswith("node "):
-        return ClientError(code, exc.details())  # a node behind the coordinator (logs), not the coordinator
-    if code == grpc.StatusCode.UNAVAILABLE:
+    details = exc.details() or ""
+    if code == grpc.StatusCode.UNAVAILABLE and details.startswith("node "):
+        return ClientError(code, details)  # a node behind the coordinator (logs), not the coordinator
+    if code == grpc.StatusCode.UNAVAILABLE and not rpc.answered_by_server(exc):
         # A TLS handshake that fails (a wrong UNICRON_TLS_CA, a plaintext server) looks the same.
         return ClientError(code, f"cannot reach the coordinator at {address} (is it running?)")
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return ClientError(code, f"the coordinator at {address} is unavailable: {details} (try again)")
     if code == grpc.StatusCode.UNAUTHENTICATED:
         return ClientError(code, f"not authenticated: {exc.details()} (set UNICRON_TOKEN or UNICRON_TOKEN_FILE)")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -67,15 +70,19 @@ class UnicronClient:
         self.close()
 
     def _call(self, method: str, request: object) -> object:
-        failover = method in _READS and "," in self.address
-        give_up = time.monotonic() + (FAILOVER_S if failover else 0.0)
+        """One call; a read is tried again for up to FAILOVER_S through a failover: of the
+        coordinators (with more than one address), or of their Redis (the coordinator says
+        UNAVAILABLE itself). A write is never tried again: it may have been applied."""
+        give_up = time.monotonic() + FAILOVER_S
         while True:
             try:
                 return getattr(self._stub, method)(request, timeout=self._timeout_s)
             except grpc.RpcError as exc:
                 error = _unwrap(exc, self.address)
-                unreachable = error.code == grpc.StatusCode.UNAVAILABLE and str(error).startswith("cannot reach")
-                if not unreachable or time.monotonic() >= give_up:
+                details = exc.details() or ""
+                away = error.code == grpc.StatusCode.UNAVAILABLE and not details.startswith("node ")
+                switching = "," in self.address or rpc.answered_by_server(exc)
+                if not (method in _READS and away and switching) or time.monotonic() >= give_up:
                     raise error from None
             time.sleep(FAILOVER_RETRY_S)
 

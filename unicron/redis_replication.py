@@ -8,15 +8,19 @@ asks the sentinels where the primary is, and asks again when it fails over (redi
 Sentinel support: a demoted primary's READONLY answer drops the connection).
 
 Acknowledged means replicated: a client made with ``acks`` > 0 (`ReplicatedRedis`) follows
-every transaction with ``WAIT acks wait_ms`` on the same connection, so the transaction's
-writes are on that many replicas before the caller hears of success; when they are not, the
-caller gets `NotReplicated` (UNAVAILABLE), not the result. The write may still be on the
+every transaction with ``WAIT`` on the same connection for every replica the primary has at
+that moment (``ROLE``), and at least ``acks``, so the transaction's writes are on them before
+the caller hears of success, and under Sentinel asks the sentinels whether the server is
+still the primary (`SentinelView`); when either fails, the caller gets `NotReplicated`
+(UNAVAILABLE), not the result. The write may still be on the
 primary, and may survive a failover or not: nobody was told it succeeded, so nobody acted on
 it. Single commands outside a transaction (heartbeats, agents' events) are not waited for:
 they are reports that their senders repeat."""
 
 from __future__ import annotations
 
+import math
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -87,35 +91,136 @@ def _address(entry: str, url: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+# A replica the sentinels have not heard from for this long (or never: an old primary just
+# listed as a replica of the new one) is not waited for, declared down or not yet.
+REPLICA_SILENT_MS = 3000
+
+
+def _up(replica: dict[str, Any]) -> bool:
+    """Whether a sentinel holds a replica to be up: not declared down, and heard from lately."""
+    if replica.get("is_sdown") or replica.get("is_odown"):
+        return False
+    return int(replica.get("info-refresh", 0)) < REPLICA_SILENT_MS
+
+
+class SentinelView:
+    """What the sentinels say of the group, asked before a write is acknowledged.
+
+    A primary that was failed over while cut off takes writes again when it comes back, until
+    the sentinels demote it, and a replica that still follows it acknowledges them; and a
+    replica being promoted has already left the primary for up to a second before the
+    sentinels name it. Writes acknowledged in either window are lost. So a write counts only
+    when a majority of the sentinels answers and the one with the newest configuration (the
+    highest config epoch: it names a promoted replica as soon as the promotion is confirmed)
+    names the server written to, and when every replica that sentinel holds to be up has the
+    write: a replica that left without being declared down is one being promoted. Each
+    answer is kept `ttl_s`: a dead replica stops being waited for once the sentinels declare
+    it down (their down-after time), plus that."""
+
+    def __init__(self, url: SentinelURL, sentinel_kwargs: dict[str, Any], ttl_s: float = 0.25) -> None:
+        self.url = url
+        self.ttl_s = ttl_s
+        self._sentinels = [redis.Redis(host, port, **sentinel_kwargs) for host, port in url.sentinels]
+        self._lock = threading.Lock()
+        self._asked_at = -math.inf
+        self._answer: tuple[tuple[str, int] | None, int, int] = (None, 0, 0)
+
+    def _ask(self) -> tuple[tuple[str, int] | None, int, int]:
+        """The primary the sentinel with the newest configuration (the highest config epoch)
+        names, how many sentinels answered, and the replicas that one holds to be up. A
+        sentinel that has not heard of a failover yet names the old primary under an older
+        epoch: it is outvoted, not waited for."""
+        best: tuple[int, tuple[str, int], int] | None = None
+        answered = 0
+        for sentinel in self._sentinels:
+            try:
+                where = sentinel.sentinel_get_master_addr_by_name(self.url.master)
+                state: dict[str, Any] = sentinel.sentinel_master(self.url.master)
+                known = sentinel.sentinel_slaves(self.url.master)
+            except redis.RedisError:
+                continue
+            if not where:
+                continue
+            answered += 1
+            address = (where[0].decode() if isinstance(where[0], bytes) else str(where[0]), int(where[1]))
+            up = sum(1 for r in known if _up(r))
+            epoch = int(state.get("config-epoch", 0))
+            if best is None or epoch > best[0]:
+                best = (epoch, address, up)
+        if best is None:
+            return None, 0, 0
+        return best[1], answered, best[2]
+
+    def answer(self) -> tuple[tuple[str, int] | None, int, int]:
+        with self._lock:
+            now = time.monotonic()
+            if now - self._asked_at > self.ttl_s:
+                self._answer, self._asked_at = self._ask(), now
+            return self._answer
+
+    def replicas_up(self) -> int:
+        return self.answer()[2]
+
+    def disagrees(self, host: str, port: int) -> str | None:
+        """Why (host, port) may not be the primary any more; None when every answering
+        sentinel of a majority names it."""
+        named, answered, _ = self.answer()
+        if named is None or answered * 2 <= len(self._sentinels):
+            return f"{answered} of {len(self._sentinels)} sentinels answer: the primary cannot be confirmed"
+        if named != (host, int(port)):
+            return f"the sentinels name {named[0]}:{named[1]} as the primary, not {host}:{port}"
+        return None
+
+
 class WaitingPipeline(Pipeline):
-    """A pipeline whose transactions return only once `acks` replicas have their writes."""
+    """A pipeline whose transactions return only once `acks` replicas have their writes (and,
+    under Sentinel, the sentinels still name the server written to as the primary)."""
 
     acks = 0
     wait_ms = DEFAULT_WAIT_MS
+    view: SentinelView | None = None
+    # False: `acks` replicas are enough (a lease renewal: losing one in a failover only ends
+    # the lease sooner), though the sentinels must still name the server.
+    every_replica = True
 
     def _execute_transaction(self, connection: Any, commands: Any, raise_on_error: bool) -> list[Any]:
         replies = super()._execute_transaction(connection, commands, raise_on_error)
         if self.acks > 0:
+            # Every replica the primary has now, and at least `acks`: Sentinel promotes the
+            # replica it last saw furthest along, which may not be the one that was, so a
+            # write on one replica alone can be lost by a failover.
+            connection.send_command("ROLE")
+            role = self.parse_response(connection, "ROLE")
+            connected = len(role[2]) if len(role) > 2 and isinstance(role[2], list) else 0
+            up = self.view.replicas_up() if self.view is not None else 0
+            needed = max(self.acks, connected, up) if self.every_replica else self.acks
             # On the same connection: WAIT waits for what this connection wrote.
-            connection.send_command("WAIT", self.acks, self.wait_ms)
+            connection.send_command("WAIT", needed, self.wait_ms)
             replicated = int(self.parse_response(connection, "WAIT"))
-            if replicated < self.acks:
+            if replicated < needed:
                 raise NotReplicated(
-                    f"a write reached the Redis primary but {replicated} of the {self.acks} replica(s) it needs "
+                    f"a write reached the Redis primary but {replicated} of the {needed} replica(s) it needs "
                     f"within {self.wait_ms} ms: not acknowledged"
                 )
+            stale = self.view.disagrees(connection.host, connection.port) if self.view is not None else None
+            if stale is not None:
+                # The next command asks the sentinels where the primary is.
+                connection.disconnect()
+                raise NotReplicated(f"a write reached a Redis server that may no longer be the primary: {stale}")
         return list(replies)
 
 
 class ReplicatedRedis(redis.Redis):
-    """redis.Redis whose transactions (``pipeline()``) wait for `acks` replicas."""
+    """redis.Redis whose transactions (``pipeline()``) wait for `acks` replicas, and under
+    Sentinel (`view`) for the sentinels' word that the server is still the primary."""
 
     acks = 0
     wait_ms = DEFAULT_WAIT_MS
+    view: SentinelView | None = None
 
     def pipeline(self, transaction: bool = True, shard_hint: Any = None) -> Pipeline:
         pipe = WaitingPipeline(self.connection_pool, self.response_callbacks, transaction, shard_hint)
-        pipe.acks, pipe.wait_ms = self.acks, self.wait_ms
+        pipe.acks, pipe.wait_ms, pipe.view = self.acks, self.wait_ms, self.view
         return pipe
 
 
@@ -167,16 +272,23 @@ def master_state(url: SentinelURL, sentinel_kwargs: dict[str, Any]) -> dict[str,
 
 
 def quorum_problem(state: dict[str, Any], named: int) -> str | None:
-    """Why a master's sentinel quorum cannot work (pure): a quorum larger than the sentinels
-    that watch it never declares the primary down, so it never fails over."""
+    """Why a master's sentinel quorum is a mistake (pure): larger than the sentinels the URL
+    names (it never declares the primary down), or below 1."""
+    quorum = int(state.get("quorum", 0))
+    if quorum < 1:
+        return "the sentinels' quorum is below 1"
+    if quorum > named:
+        return f"the sentinels' quorum is {quorum} but the URL names {named} sentinel(s): it never fails over"
+    return None
+
+
+def watching_problem(state: dict[str, Any]) -> str | None:
+    """Why the group cannot fail over yet (pure): fewer sentinels know of each other than its
+    quorum (they find each other within seconds of starting)."""
     quorum = int(state.get("quorum", 0))
     watching = int(state.get("num-other-sentinels", 0)) + 1
     if quorum > watching:
-        return f"the sentinels' quorum is {quorum} but {watching} sentinel(s) watch the master: it never fails over"
-    if quorum > named:
-        return f"the sentinels' quorum is {quorum} but the URL names only {named} sentinel(s)"
-    if quorum < 1:
-        return "the sentinels' quorum is below 1"
+        return f"{watching} sentinel(s) watch the master so far, fewer than its quorum of {quorum}"
     return None
 
 

@@ -22,11 +22,13 @@ from unicron.ports import free_port  # re-exported: servers here and in tests ta
 from unicron.redis_replication import (
     DEFAULT_WAIT_MS,
     ReplicatedRedis,
+    SentinelView,
     is_sentinel,
     master_state,
     parse_sentinel_url,
     quorum_problem,
     replication_problem,
+    watching_problem,
 )
 
 
@@ -49,6 +51,11 @@ def tls_options(url: str, tls: RedisTLS | None) -> dict[str, Any]:
     if tls is None:
         raise FailedPrecondition(f"{url} is Redis over TLS: it needs a CA, a certificate and a key")
     return {"ssl_ca_certs": tls.ca, "ssl_certfile": tls.cert, "ssl_keyfile": tls.key, "ssl_cert_reqs": "required"}
+
+
+# How long the sentinels are asked whether a server written to is still the primary: a
+# sentinel that does not answer in time counts as not answering.
+SENTINEL_CHECK_S = 0.5
 
 
 def connect(
@@ -82,6 +89,9 @@ def connect(
             **options,
             **secure,
         )
+        assert isinstance(client, ReplicatedRedis)
+        if acks:
+            client.view = SentinelView(where, sentinel_options(url, tls, timeout_s=min(timeout_s, SENTINEL_CHECK_S)))
     else:
         client = ReplicatedRedis.from_url(url, **options, **tls_options(url, tls))
     assert isinstance(client, ReplicatedRedis)
@@ -112,6 +122,9 @@ def replication_problem_at(url: str, tls: RedisTLS | None, acks: int) -> str | N
     wrong = quorum_problem(state, len(where.sentinels))
     if wrong is not None:
         raise FailedPrecondition(f"Sentinel master {where.master!r}: {wrong}")
+    waiting = watching_problem(state)
+    if waiting is not None:
+        return waiting
     client = connect(url, tls, timeout_s=2.0)
     try:
         info: dict[str, Any] = client.info("replication")  # type: ignore[assignment]

@@ -111,6 +111,18 @@ def grpc_errors(method: F) -> F:
     return functools.wraps(method)(wrapped)  # type: ignore[return-value]
 
 
+# Trailing metadata on every error a Unicron server answers itself: a client tells "the
+# coordinator said UNAVAILABLE" (its Redis failing over, say) from "no server answered".
+ANSWERED_KEY = "unicron-answered"
+ANSWERED = ((ANSWERED_KEY, "1"),)
+
+
+def answered_by_server(exc: grpc.RpcError) -> bool:
+    """Whether a failed call's status came from a Unicron server, not from gRPC itself."""
+    trailing = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
+    return any(key == ANSWERED_KEY for key, _ in trailing or ())
+
+
 def _async_stream_wrapper(method: Callable[..., Any], status_of: StatusOf) -> Callable[..., Any]:
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
@@ -119,7 +131,7 @@ def _async_stream_wrapper(method: Callable[..., Any], status_of: StatusOf) -> Ca
         except grpc.aio.AbortError:
             raise
         except Exception as exc:  # noqa: BLE001 - the edge of the server
-            await context.abort(*status_of(exc))
+            await context.abort(*status_of(exc), trailing_metadata=ANSWERED)
 
     return wrapper
 
@@ -131,7 +143,7 @@ def _async_wrapper(method: Callable[..., Any], status_of: StatusOf) -> Callable[
         except grpc.aio.AbortError:
             raise
         except Exception as exc:  # noqa: BLE001 - the edge of the server
-            await context.abort(*status_of(exc))
+            await context.abort(*status_of(exc), trailing_metadata=ANSWERED)
 
     return wrapper
 
@@ -141,6 +153,7 @@ def _stream_wrapper(method: Callable[..., Any], status_of: StatusOf) -> Callable
         try:
             yield from method(self, request, context)
         except Exception as exc:  # noqa: BLE001 - the edge of the server
+            context.set_trailing_metadata(ANSWERED)
             context.abort(*status_of(exc))
 
     return wrapper
@@ -151,6 +164,7 @@ def _wrapper(method: Callable[..., Any], status_of: StatusOf) -> Callable[..., A
         try:
             return method(self, request, context)
         except Exception as exc:  # noqa: BLE001 - the edge of the server
+            context.set_trailing_metadata(ANSWERED)
             context.abort(*status_of(exc))
 
     return wrapper

@@ -31,8 +31,11 @@ class WriteProbe:
     cancelled: list[str] = field(default_factory=list)
     failures: int = 0
     last_error: str = ""
+    # Why calls were refused: the first 100 characters of each message, and how often.
+    refusals: dict[str, int] = field(default_factory=dict)
     # Monotonic times of every call that succeeded: unavailability is the longest gap.
     successes: list[float] = field(default_factory=list)
+    stopped_at: float | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
@@ -45,6 +48,7 @@ class WriteProbe:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
+        self.stopped_at = time.monotonic()
 
     def _run(self) -> None:
         try:
@@ -67,12 +71,17 @@ class WriteProbe:
         try:
             call()
         except ClientError as exc:
-            if exc.code.name == "ALREADY_EXISTS":
-                # A retried submission whose first try reached the store but was not
-                # acknowledged: the name is taken, by the unacknowledged write. Not counted.
+            if exc.code.name in ("ALREADY_EXISTS", "NOT_FOUND") or (
+                exc.code.name == "FAILED_PRECONDITION" and "ended" in str(exc)
+            ):
+                # What an unacknowledged write did, or did not: a retried submission whose
+                # first try took the name, a cancel whose first try ended the job, a cancel of
+                # a job whose unacknowledged submission a failover lost. Not counted.
                 return True
             self.failures += 1
             self.last_error = f"{exc.code.name}: {exc}"
+            reason = self.last_error[:100]
+            self.refusals[reason] = self.refusals.get(reason, 0) + 1
             self._stop.wait(RETRY_S)
             return False
         acknowledged.append(name)
@@ -80,8 +89,10 @@ class WriteProbe:
         return True
 
     def longest_gap_s(self, since: float) -> float:
-        """The longest time without a successful call after `since` (a fault's start)."""
-        times = [since, *(t for t in self.successes if t > since)]
+        """The longest time without a successful call after `since` (a fault's start), until
+        the probe stopped (or now)."""
+        end = self.stopped_at if self.stopped_at is not None else time.monotonic()
+        times = [since, *(t for t in self.successes if t > since), end]
         return max((b - a for a, b in itertools.pairwise(times)), default=0.0)
 
     def first_success_after(self, since: float) -> float | None:

@@ -180,7 +180,8 @@ class LocalCluster:
     coordinators: int = 1
     # None: 3 s with a standby (it takes over that fast), 10 s for a lone coordinator, which
     # has no one to hand over to: a short lease only lets a stalled machine fence it (seen
-    # here: every process silent for 13 s, the coordinator stopped with exit 75).
+    # here: every process silent for 13 s, the coordinator stopped with exit 75); 6 s under
+    # Sentinel (redis_replicas), to outlast a failover.
     lease_ttl_s: float | None = None
     fault_injection: bool = False
     # Spare trainers per agent (services/agent/spares.py). Off by default here: on a small
@@ -436,6 +437,10 @@ class LocalCluster:
     def lease_ttl(self) -> float:
         if self.lease_ttl_s is not None:
             return self.lease_ttl_s
+        # Under Sentinel the lease outlasts most failovers (1 s down-after, 2-5 s in all), so
+        # that the active coordinator follows them instead of stopping at every one.
+        if self.redis_replicas:
+            return 6.0
         return 3.0 if self.coordinators > 1 else 10.0
 
     def _popen(self, argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:

@@ -97,6 +97,11 @@ class RedisGroup:
             # and tools read from it (clients read from the primary).
             "--replica-serve-stale-data",
             "yes",
+            # A replica that must sync in full (an old primary rejoining) gets the data at once:
+            # by default the primary waits 5 s for more replicas to share the transfer, and
+            # writes wait for every replica the sentinels count as up.
+            "--repl-diskless-sync-delay",
+            "0",
         ]
         if index:
             primary = self.servers[0]
@@ -203,6 +208,11 @@ class RedisGroup:
             return str(exc)
         if len(addresses) != 1:
             return f"the sentinels name {len(addresses)} different primaries"
+        live = [i for i, (_, _, proc) in enumerate(self._sentinels) if proc is not None]
+        for index in live:
+            others = int(self.sentinel_client(index).sentinel_master(MASTER)["num-other-sentinels"])
+            if others < len(live) - 1:
+                return f"sentinel {index} knows {others} of the {len(live) - 1} others"
         if primary is not_primary:
             return "the old primary is still named"
         try:

@@ -209,7 +209,8 @@ class Lease:
         """Takes the lease if it is free (raises redis errors)."""
         token = uuid.uuid4().hex
         sent = self.clock()
-        fence = int(self._replicated(self._acquire, [self.key, self.fence_key], [token, self.identity, self.ttl_ms]))
+        keys, args = [self.key, self.fence_key], [token, self.identity, self.ttl_ms]
+        fence = int(self._replicated(self._acquire, keys, args, every_replica=True))
         if fence == 0:
             return False
         self.holder = Holder(fence, token, self.identity)
@@ -237,12 +238,16 @@ class Lease:
         """Extends the lease while it is still ours; False when it is not (raises redis errors)."""
         if self.holder is None:
             return False
-        return bool(self._replicated(self._renew, [self.key], [self.holder.encode(), self.ttl_ms]))
+        return bool(self._replicated(self._renew, [self.key], [self.holder.encode(), self.ttl_ms], every_replica=False))
 
-    def _replicated(self, script: Any, keys: list[str], args: list[Any]) -> Any:
+    def _replicated(self, script: Any, keys: list[str], args: list[Any], every_replica: bool) -> Any:
         """A lease script's reply, in a transaction: a client that waits for replicas
-        (unicron.redis_replication) returns it only once they hold what it wrote."""
+        (unicron.redis_replication) returns it only once they hold what it wrote. An
+        acquisition waits for every replica, so that its fence survives any failover; a
+        renewal for one (lost in a failover, the lease only ends sooner, and the fence
+        check refuses the holder's writes then)."""
         with self._redis.pipeline() as pipe:
+            pipe.every_replica = every_replica
             script(keys=keys, args=args, client=pipe)
             return pipe.execute()[0]
 

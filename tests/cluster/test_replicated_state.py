@@ -12,21 +12,20 @@ failure-free run."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
-import psutil
 import pytest
 
 from tests.cluster.conftest import record
 from tests.e2e.conftest import assert_exact, final_params, running, wait_for
 from unicron.client import UnicronClient
-from unicron.redisutil import LocalRedis
 from unicron.v1 import common_pb2
 from unicron_dev import netns
 from unicron_dev.acked_writes import WriteProbe
 from unicron_dev.localcluster import tiny_gpt
 from unicron_dev.netcluster import NetCluster
+from unicron_dev.redis_faults import FAULTS, RankWatch, kill_a_trainer, restart_exited_coordinators
 
 pytestmark = pytest.mark.cluster
 
@@ -69,107 +68,6 @@ def probe_spec(name: str) -> common_pb2.JobSpec:
     return spec
 
 
-def server_host(cluster: NetCluster, server: LocalRedis) -> str:
-    assert cluster.redis_group is not None
-    return f"r{cluster.redis_group.servers.index(server)}"
-
-
-# Each fault is a generator: it starts the fault and yields (a trainer is killed then), then
-# holds the fault as long as it lasts, waits for the failover it must cause, and undoes it.
-Fault = Iterator[None]
-
-
-def kill_primary(cluster: NetCluster) -> Fault:
-    group = cluster.redis_group
-    assert group is not None
-    old = group.kill_primary()
-    yield
-    group.wait_healthy(60, not_primary=old)
-    old.start()  # back as a replica of the new primary
-
-
-def partition(cluster: NetCluster) -> Fault:
-    """The primary and the active coordinator on one side; the replicas, the sentinels and the
-    standby on the other. The agents and the client reach both sides."""
-    group, network = cluster.redis_group, cluster.network
-    assert group is not None and network is not None
-    active = cluster._host(cluster.wait_active_coordinator())
-    assert active is not None
-    old = group.primary()
-    minority = [server_host(cluster, old), active.name]
-    majority = [name for name in [*cluster.redis_hosts(), "c0", "c1"] if name not in minority]
-    network.cut(minority, majority)
-    try:
-        yield
-        group.wait_healthy(60, not_primary=old)
-        time.sleep(2.0)  # the minority's coordinator on its own a while: it must write nothing
-    finally:
-        for name in minority:
-            network.heal(name)
-
-
-def pause_primary(cluster: NetCluster) -> Fault:
-    group = cluster.redis_group
-    assert group is not None
-    old = group.primary()
-    group.pause(old)
-    try:
-        yield
-        group.wait_healthy(60, not_primary=old)
-    finally:
-        group.resume(old)
-
-
-def kill_sentinel(cluster: NetCluster) -> Fault:
-    group = cluster.redis_group
-    assert group is not None
-    group.kill_sentinel(0)
-    yield
-    time.sleep(3.0)
-    group.restart_sentinel(0)
-
-
-def flap_primary(cluster: NetCluster) -> Fault:
-    group, network = cluster.redis_group, cluster.network
-    assert group is not None and network is not None
-    host = server_host(cluster, group.primary())
-    flapping = network.flap(host, period_s=1.5, duration_s=8.0)
-    yield
-    flapping.join()
-    network.heal(host)
-
-
-FAULTS: dict[str, Callable[[NetCluster], Fault]] = {
-    "primary killed": kill_primary,
-    "primary partitioned with the active coordinator": partition,
-    "primary paused past the sentinels' timeout": pause_primary,
-    "a sentinel killed": kill_sentinel,
-    "primary's link flapping": flap_primary,
-}
-
-
-def kill_a_trainer(cluster: NetCluster, job_id: str) -> None:
-    for trainer in cluster.trainer_processes(job_id):
-        try:
-            trainer.kill()
-            return
-        except psutil.NoSuchProcess:
-            continue
-    raise AssertionError(f"no live trainer of {job_id} to kill")
-
-
-def restart_exited(cluster: NetCluster) -> list[str]:
-    """Coordinators that stopped themselves (their lease lapsed) start again, as a supervisor
-    would start them: as standbys."""
-    restarted = []
-    for service in cluster.services:
-        if service.name.startswith("coordinator") and service.proc.poll() is not None:
-            assert service.proc.returncode == 75, f"{service.name} exited {service.proc.returncode}"
-            cluster.restart(service.name)
-            restarted.append(service.name)
-    return restarted
-
-
 @pytest.mark.parametrize("fault", list(FAULTS))
 def test_no_acknowledged_write_is_lost_and_the_job_ends_exact(
     cluster: NetCluster, reference: dict[str, Any], fault: str
@@ -185,6 +83,7 @@ def test_no_acknowledged_write_is_lost_and_the_job_ends_exact(
             time.sleep(1.0)
             started = time.monotonic()
             before = client.get(name)
+            watch = RankWatch(cluster, job.job_id).start()
             faulty = FAULTS[fault](cluster)
             next(faulty)
             time.sleep(0.5)
@@ -193,7 +92,7 @@ def test_no_acknowledged_write_is_lost_and_the_job_ends_exact(
             for _ in faulty:
                 pass
             group.wait_healthy(60)
-            restarted = restart_exited(cluster)
+            restarted = restart_exited_coordinators(cluster)
             cluster.wait_active_coordinator(timeout_s=60)
             healed = wait_for(
                 client,
@@ -207,6 +106,14 @@ def test_no_acknowledged_write_is_lost_and_the_job_ends_exact(
             time.sleep(2.0)
         finally:
             probe.stop()
+            watch.stop()
+        assert watch.doubled == [], watch.doubled
+        for coordinator in restarted:
+            # A coordinator that lost its lease decided nothing after it said so.
+            log = cluster.service(coordinator).log_path.read_text()
+            after = log[log.rindex("lost the coordinator lease") :]
+            after = after[: after.find("standby: waiting") if "standby: waiting" in after else None]
+            assert "remedy chosen" not in after and "plan carried out" not in after, coordinator
         lost = probe.lost(client)
         assert lost == [], lost
         assert probe.first_success_after(started) is not None, probe.last_error
@@ -221,3 +128,4 @@ def test_no_acknowledged_write_is_lost_and_the_job_ends_exact(
         generation=healed.assignment.generation,
         restarted=",".join(restarted) or "-",
     )
+    print(f"{fault}: refused because {probe.refusals}")

@@ -7,10 +7,11 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
+import grpc
 import psutil
 
 from tests.trainer.harness import relative_difference
-from unicron.client import UnicronClient
+from unicron.client import ClientError, UnicronClient
 from unicron.trainer import checkpoint
 from unicron.v1 import common_pb2
 from unicron_dev.localcluster import LocalCluster
@@ -37,11 +38,23 @@ def wait_for(
     client: UnicronClient, name: str, done: Callable[[common_pb2.Job], bool], what: str, timeout_s: float = 120
 ) -> common_pb2.Job:
     deadline = time.monotonic() + timeout_s
-    while not done(job := client.get(name)):
+    while not done(job := _get_through_outages(client, name, deadline)):
         recent = "; ".join(c.reason for c in job.history[-4:])
         assert time.monotonic() < deadline, f"{name}: {what} (state {job.state}, {job.reason}; lately: {recent})"
         time.sleep(0.2)
     return job
+
+
+def _get_through_outages(client: UnicronClient, name: str, deadline: float) -> common_pb2.Job:
+    """The job, asked again while the control plane is away (a coordinator or its Redis
+    failing over) until `deadline`: a test that waits for an outcome waits through that."""
+    while True:
+        try:
+            return client.get(name)
+        except ClientError as exc:
+            if exc.code != grpc.StatusCode.UNAVAILABLE or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.5)
 
 
 def final_params(cluster: LocalCluster, job: common_pb2.Job) -> dict[str, Any]:

@@ -8,29 +8,41 @@ import grpc
 import pytest
 
 from unicron import client as client_module
+from unicron import rpc
 from unicron.client import ClientError, UnicronClient
 from unicron.security import ClientSecurity
 from unicron.v1 import common_pb2, job_service_pb2
 
 
 class Unavailable(grpc.RpcError):
+    said = "failed to connect to all addresses"
+
     def code(self) -> grpc.StatusCode:
         return grpc.StatusCode.UNAVAILABLE
 
     def details(self) -> str:
-        return "failed to connect to all addresses"
+        return self.said
+
+
+class StoreFailingOver(Unavailable):
+    """What a coordinator says itself while its Redis fails over."""
+
+    said = "state store unreachable: Error 111 connecting to 10.0.0.3:6379. Connection refused."
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        return rpc.ANSWERED
 
 
 class Stub:
     """Unreachable for the first `down` calls, then answering."""
 
-    def __init__(self, down: int) -> None:
-        self.down, self.calls = down, 0
+    def __init__(self, down: int, error: type[Unavailable] = Unavailable) -> None:
+        self.down, self.calls, self.error = down, 0, error
 
     def _answer(self, reply: object) -> object:
         self.calls += 1
         if self.calls <= self.down:
-            raise Unavailable()
+            raise self.error()
         return reply
 
     def GetJob(self, request: object, timeout: float) -> object:
@@ -67,4 +79,21 @@ def test_one_coordinator_or_a_write_fails_at_once(address: str, write: bool, mon
     with client_of(address, stub, monkeypatch) as client:
         with pytest.raises(ClientError, match="cannot reach the coordinator"):
             client.cancel("j1") if write else client.get("j1")
+    assert stub.calls == 1
+
+
+def test_a_read_waits_out_its_coordinators_redis_failing_over(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Even with one coordinator: it answers UNAVAILABLE itself, in its own words."""
+    stub = Stub(down=3, error=StoreFailingOver)
+    with client_of("127.0.0.1:1", stub, monkeypatch) as client:
+        assert client.get("j1").job_id == "j1"
+    assert stub.calls == 4
+
+
+def test_a_write_refused_by_a_failing_over_store_says_so_and_is_not_retried(monkeypatch: pytest.MonkeyPatch) -> None:
+    stub = Stub(down=1, error=StoreFailingOver)
+    with client_of("127.0.0.1:1", stub, monkeypatch) as client:
+        with pytest.raises(ClientError, match="is unavailable: state store unreachable: Error 111") as caught:
+            client.cancel("j1")
+    assert "is it running" not in str(caught.value)
     assert stub.calls == 1

@@ -15,6 +15,7 @@ from unicron.redis_replication import (
     quorum_problem,
     replication_problem,
     unavailable_reply,
+    watching_problem,
 )
 from unicron.redisutil import redacted
 
@@ -65,14 +66,19 @@ def test_the_coordinator_config_takes_sentinel_urls_and_waits_for_one_replica_by
     ("state", "named", "problem"),
     [
         ({"quorum": 2, "num-other-sentinels": 2}, 3, None),
-        ({"quorum": 3, "num-other-sentinels": 1}, 3, "never fails over"),
-        ({"quorum": 3, "num-other-sentinels": 2}, 2, "names only 2"),
+        ({"quorum": 3, "num-other-sentinels": 1}, 3, None),  # still finding each other: wait
+        ({"quorum": 4, "num-other-sentinels": 2}, 3, "names 3 sentinel(s): it never fails over"),
         ({"quorum": 0, "num-other-sentinels": 2}, 3, "below 1"),
     ],
 )
 def test_a_quorum_that_can_never_fail_over_is_a_mistake(state: dict[str, Any], named: int, problem: str | None) -> None:
     said = quorum_problem(state, named)
     assert (said is None) if problem is None else (problem in (said or ""))
+
+
+def test_sentinels_still_finding_each_other_are_waited_for() -> None:
+    assert "fewer than its quorum of 2" in (watching_problem({"quorum": 2, "num-other-sentinels": 0}) or "")
+    assert watching_problem({"quorum": 2, "num-other-sentinels": 2}) is None
 
 
 def replica(state: str = "online", lag: int = 0) -> dict[str, Any]:
