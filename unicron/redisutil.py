@@ -135,6 +135,18 @@ def replication_problem_at(url: str, tls: RedisTLS | None, acks: int) -> str | N
     return replication_problem(info, acks)
 
 
+def sentinel_down_after_s(url: str, tls: RedisTLS | None) -> float | None:
+    """How long the sentinels wait before they call the primary down (None: not Sentinel, or
+    no sentinel answers): a failover takes at least this."""
+    if not is_sentinel(url):
+        return None
+    try:
+        state = master_state(parse_sentinel_url(url), sentinel_options(url, tls))
+    except Unavailable:
+        return None
+    return int(state.get("down-after-milliseconds", 0)) / 1000
+
+
 def redacted(url: str) -> str:
     """`url` with its password masked, for logs (any scheme, one host or many)."""
     return re.sub(r"^([a-z+]+://[^:@/]*):[^@/]*@", r"\1:***@", url)

@@ -290,12 +290,31 @@ def wait_for_replication(config: CoordinatorConfig, log: logging.Logger, stoppin
         if problem is None:
             if said:
                 log.info("the Redis group is ready", extra={"redis_url": redacted})
+            warn_if_lease_shorter_than_failover(config, log)
             return True
         if problem != said:
             log.warning("standby: waiting for Redis: %s", problem, extra={"redis_url": redacted})
             said = problem
         stopping.wait(REPLICATION_POLL_S)
     return False
+
+
+# A failover takes the sentinels' down-after time and about this much more (the election,
+# the promotion, the replicas following the new primary).
+FAILOVER_MARGIN_S = 2.0
+
+
+def warn_if_lease_shorter_than_failover(config: CoordinatorConfig, log: logging.Logger) -> None:
+    down_after = redisutil.sentinel_down_after_s(config.redis_url, redis_tls(config))
+    if down_after is not None and config.lease_ttl_s < down_after + FAILOVER_MARGIN_S:
+        log.warning(
+            "the lease (%gs) is shorter than a Redis failover (the sentinels' down-after %gs and about %gs more):"
+            " the active coordinator will stop at each failover and a standby take over; --lease-ttl-s %g follows it",
+            config.lease_ttl_s,
+            down_after,
+            FAILOVER_MARGIN_S,
+            down_after + 2 * FAILOVER_MARGIN_S,
+        )
 
 
 class _LeaseHolder:
