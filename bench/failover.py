@@ -32,10 +32,10 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from bench.common import log, percentile, write_results
-from unicron.client import UnicronClient
+from unicron.client import ClientError, UnicronClient
 from unicron.v1 import common_pb2 as pb
 from unicron_dev import netns
 from unicron_dev.acked_writes import WriteProbe
@@ -85,57 +85,75 @@ def restart_redis(cluster: LocalCluster) -> Fault:
     yield
 
 
+def one_repeat(
+    cluster: LocalCluster, client: UnicronClient, probe: WriteProbe, fault: Callable[[LocalCluster], Fault], name: str
+) -> tuple[dict[str, Any], list[str]]:
+    """A fresh job (the remedy ladder escalates repeated failures of one job: that is not
+    what is measured here), the fault, a trainer killed 0.5 s in, the job healed."""
+    job = through_outage(lambda: submitted(client, name))
+    while get(client, job.job_id).progress.iteration < 3:
+        time.sleep(0.2)
+    watch = RankWatch(cluster, job.job_id).start()
+    try:
+        time.sleep(SETTLE_S)
+        before = get(client, job.job_id)
+        started = time.monotonic()
+        faulty = fault(cluster)
+        next(faulty)
+        time.sleep(0.5)
+        kill_a_trainer(cluster, job.job_id)
+        killed_at = time.monotonic()
+        for _ in faulty:
+            pass
+        wait_healed(client, job.job_id, before)
+        healed_s = time.monotonic() - killed_at
+        time.sleep(1.0)  # writes after the fault, so that the gap is closed
+        restarted = restart_exited_coordinators(cluster)
+        row = {
+            "no_write_s": round(gap_between(probe, started, time.monotonic()), 3),
+            "heal_s": round(healed_s, 3),
+            "coordinators_restarted": restarted,
+        }
+    finally:
+        watch.stop()
+    through_outage(lambda: cancelled(client, job.job_id))
+    return row, watch.doubled
+
+
 def run_arm(name: str, cluster: LocalCluster, fault: Callable[[LocalCluster], Fault], repeats: int) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
+    doubled: list[str] = []
     with cluster.client() as client:
-        job = client.submit(tiny_gpt(f"train-{slug(name)}", iterations=1_000_000))
-        while client.get(job.job_id).progress.iteration < 5:
-            time.sleep(0.2)
         probe = WriteProbe(client, probe_spec, prefix=f"acked-{slug(name)}").start()
-        watch = RankWatch(cluster, job.job_id).start()
         try:
             for repeat in range(repeats):
-                time.sleep(SETTLE_S)
-                before = get(client, job.job_id)
-                started = time.monotonic()
-                faulty = fault(cluster)
-                next(faulty)
-                time.sleep(0.5)
-                kill_a_trainer(cluster, job.job_id)
-                killed_at = time.monotonic()
-                for _ in faulty:
-                    pass
-                wait_healed(client, job.job_id, before)
-                healed_s = time.monotonic() - killed_at
-                time.sleep(1.0)  # writes after the fault, so that the gap is closed
-                restarted = restart_exited_coordinators(cluster)
-                stamp = time.monotonic()
-                rows.append(
-                    {
-                        "repeat": repeat,
-                        "no_write_s": round(gap_between(probe, started, stamp), 3),
-                        "heal_s": round(healed_s, 3),
-                        "coordinators_restarted": restarted,
-                    }
-                )
-                log(f"{name} #{repeat}: no write {rows[-1]['no_write_s']:.2f}s, heal {healed_s:.2f}s")
+                try:
+                    row, twice = one_repeat(cluster, client, probe, fault, f"train-{slug(name)[:30]}-{repeat}")
+                except (TimeoutError, ClientError, RuntimeError) as exc:
+                    # A repeat that fails is a row with its reason; the arm goes on.
+                    rows.append({"repeat": repeat, "failed": f"{type(exc).__name__}: {exc}"})
+                    log(f"{name} #{repeat}: FAILED: {exc}")
+                    restart_exited_coordinators(cluster)
+                    continue
+                rows.append({"repeat": repeat, **row})
+                doubled += twice
+                log(f"{name} #{repeat}: no write {row['no_write_s']:.2f}s, heal {row['heal_s']:.2f}s")
         finally:
             probe.stop()
-            watch.stop()
         lost = probe.lost(client)
-        client.cancel(job.job_id, "bench over")
-    gaps = [row["no_write_s"] for row in rows]
-    heals = [row["heal_s"] for row in rows]
+    gaps = [row["no_write_s"] for row in rows if "failed" not in row]
+    heals = [row["heal_s"] for row in rows if "failed" not in row]
     return {
         "arm": name,
         "repeats": rows,
         "acknowledged_writes": len(probe.submitted) + len(probe.cancelled),
         "refused_calls": probe.failures,
         "lost_writes": lost,
-        "ranks_run_twice": watch.doubled,
+        "ranks_run_twice": doubled,
         "refusals": probe.refusals,
-        "no_write_s": {"p50": percentile(gaps, 0.5), "max": max(gaps)},
-        "heal_s": {"p50": percentile(heals, 0.5), "max": max(heals)},
+        "failed_repeats": sum("failed" in row for row in rows),
+        "no_write_s": summary(gaps),
+        "heal_s": summary(heals),
     }
 
 
@@ -153,6 +171,47 @@ def get(client: UnicronClient, job_id: str) -> pb.Job:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.2)
+
+
+T = TypeVar("T")
+
+
+def summary(values: list[float]) -> dict[str, float | None]:
+    """p50 and max; None when no repeat measured anything."""
+    return {"p50": percentile(values, 0.5), "max": max(values)} if values else {"p50": None, "max": None}
+
+
+def seconds(value: float | None, width: int) -> str:
+    return f"{value:>{width - 1}.2f}s" if value is not None else f"{'-':>{width}}"
+
+
+def through_outage(call: Callable[[], T], timeout_s: float = HEAL_TIMEOUT_S) -> T:
+    """The bench's own writes, tried again while the control plane answers UNAVAILABLE."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return call()
+        except ClientError as exc:
+            if exc.code.name != "UNAVAILABLE" or time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def submitted(client: UnicronClient, name: str) -> pb.Job:
+    try:
+        return client.submit(tiny_gpt(name, iterations=1_000_000))
+    except ClientError as exc:
+        if exc.code.name != "ALREADY_EXISTS":  # a try before was applied, not acknowledged
+            raise
+        return client.get(name)
+
+
+def cancelled(client: UnicronClient, job_id: str) -> None:
+    try:
+        client.cancel(job_id, "repeat over")
+    except ClientError as exc:
+        if exc.code.name != "FAILED_PRECONDITION":  # a try before ended it
+            raise
 
 
 def gap_between(probe: WriteProbe, start: float, end: float) -> float:
@@ -192,20 +251,23 @@ def run(repeats: int, work: Path) -> dict[str, Any]:
         "hosts": "network namespaces" if netns.available() is None else "127.0.0.1",
         "arms": arms,
         "unavailability_ratio_p50": {
-            arm["arm"]: arm["no_write_s"]["p50"] / max(single["no_write_s"]["p50"], 1e-9) for arm in arms[1:]
+            arm["arm"]: arm["no_write_s"]["p50"] / max(single["no_write_s"]["p50"] or 0.0, 1e-9)
+            for arm in arms[1:]
+            if arm["no_write_s"]["p50"] is not None
         },
     }
 
 
 def table(results: dict[str, Any]) -> str:
     lines = [
-        f"{'arm':<48} {'acked':>7} {'lost':>5} {'no write p50':>13} {'max':>7} {'heal p50':>9} {'max':>7}",
+        f"{'arm':<48} {'acked':>7} {'lost':>5} {'failed':>6} "
+        f"{'no write p50':>13} {'max':>7} {'heal p50':>9} {'max':>7}",
     ]
     for arm in results["arms"]:
         lines.append(
-            f"{arm['arm']:<48} {arm['acknowledged_writes']:>7} {len(arm['lost_writes']):>5} "
-            f"{arm['no_write_s']['p50']:>12.2f}s {arm['no_write_s']['max']:>6.2f}s "
-            f"{arm['heal_s']['p50']:>8.2f}s {arm['heal_s']['max']:>6.2f}s"
+            f"{arm['arm']:<48} {arm['acknowledged_writes']:>7} {len(arm['lost_writes']):>5} {arm['failed_repeats']:>6} "
+            f"{seconds(arm['no_write_s']['p50'], 13)} {seconds(arm['no_write_s']['max'], 7)} "
+            f"{seconds(arm['heal_s']['p50'], 9)} {seconds(arm['heal_s']['max'], 7)}"
         )
     for name, ratio in results["unavailability_ratio_p50"].items():
         lines.append(f"no write p50, {name} / single Redis restarted: {ratio:.1f}x")
@@ -227,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
     write_results(RESULTS, results)
     print(table(results))
-    return 1 if any(arm["lost_writes"] or arm["ranks_run_twice"] for arm in results["arms"]) else 0
+    bad = any(arm["lost_writes"] or arm["ranks_run_twice"] or arm["failed_repeats"] for arm in results["arms"])
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":
