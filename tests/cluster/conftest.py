@@ -20,11 +20,16 @@ pytestmark = pytest.mark.cluster
 AGENTS = 4
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NetCluster]:
+def namespace_hosts() -> None:
+    """Skips the module where namespace hosts cannot be made (not root, no iproute2)."""
     why = netns.available()
     if why is not None:
         pytest.skip(f"namespace hosts: {why}")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NetCluster]:
+    namespace_hosts()
     local = NetCluster(
         tmp_path_factory.mktemp("cluster"),
         agents=AGENTS,

@@ -17,11 +17,10 @@ from typing import Any
 
 import pytest
 
-from tests.cluster.conftest import record
+from tests.cluster.conftest import namespace_hosts, record
 from tests.e2e.conftest import assert_exact, final_params, running, wait_for
 from unicron.client import UnicronClient
 from unicron.v1 import common_pb2
-from unicron_dev import netns
 from unicron_dev.acked_writes import WriteProbe
 from unicron_dev.localcluster import tiny_gpt
 from unicron_dev.netcluster import NetCluster
@@ -34,9 +33,7 @@ ITERATIONS = 150
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NetCluster]:
-    why = netns.available()
-    if why is not None:
-        pytest.skip(f"namespace hosts: {why}")
+    namespace_hosts()
     local = NetCluster(
         tmp_path_factory.mktemp("replicated"),
         agents=2,

@@ -501,6 +501,19 @@ def test_the_certs_step_makes_what_every_service_runs_with(stack_certs: dict[str
     assert not [v for v, place in stack_certs.items() if v != "pki" and (place / "ca-key.pem").exists()]
 
 
+def coordinator_config(env: dict[str, str], redis_url: str) -> Any:
+    """The coordinator's settings from its compose environment, with `redis_url`."""
+    from services.coordinator.__main__ import CoordinatorConfig
+
+    return CoordinatorConfig(
+        redis_url=redis_url,
+        tls_ca=env["UNICRON_COORDINATOR_TLS_CA"],
+        tls_cert=env["UNICRON_COORDINATOR_TLS_CERT"],
+        tls_key=env["UNICRON_COORDINATOR_TLS_KEY"],
+        tokens_file=env["UNICRON_COORDINATOR_TOKENS_FILE"],
+    )
+
+
 def test_redis_runs_on_its_share_and_admits_the_coordinator_alone(stack_certs: dict[str, Path], tmp_path: Path) -> None:
     """compose.yaml's Redis command, run here on the certs step's shares: the coordinator's
     settings reach it over TLS; a client with no certificate does not."""
@@ -508,7 +521,7 @@ def test_redis_runs_on_its_share_and_admits_the_coordinator_alone(stack_certs: d
 
     import redis as redis_py
 
-    from services.coordinator.__main__ import CoordinatorConfig, redis_tls
+    from services.coordinator.__main__ import redis_tls
     from unicron import redisutil
 
     binary = shutil.which("redis-server")
@@ -525,13 +538,7 @@ def test_redis_runs_on_its_share_and_admits_the_coordinator_alone(stack_certs: d
         env = service_env(services["coordinator"], stack_certs)
         # The primary the sentinels name, reached as the coordinator reaches it: over TLS.
         url = f"rediss://127.0.0.1:{port}/0"
-        config = CoordinatorConfig(
-            redis_url=url,
-            tls_ca=env["UNICRON_COORDINATOR_TLS_CA"],
-            tls_cert=env["UNICRON_COORDINATOR_TLS_CERT"],
-            tls_key=env["UNICRON_COORDINATOR_TLS_KEY"],
-            tokens_file=env["UNICRON_COORDINATOR_TOKENS_FILE"],
-        )
+        config = coordinator_config(env, url)
         deadline = time.monotonic() + 10
         while not redisutil.reachable(url, redis_tls(config)):
             assert time.monotonic() < deadline and proc.poll() is None, "Redis never answered the coordinator"
@@ -552,7 +559,7 @@ def test_the_redis_group_runs_on_its_shares_and_the_coordinator_trusts_it(
     TLS, and the coordinator's settings see a group it may act on and get a write acknowledged."""
     import shutil
 
-    from services.coordinator.__main__ import CoordinatorConfig, redis_tls
+    from services.coordinator.__main__ import redis_tls
     from unicron import redisutil
 
     binary = shutil.which("redis-server")
@@ -587,15 +594,8 @@ def test_the_redis_group_runs_on_its_shares_and_the_coordinator_trusts_it(
             }
             procs.append(subprocess.Popen(["sh", str(DEPLOY / "sentinel.sh")], env=env, stdout=subprocess.DEVNULL))
             sentinels.append(f"127.0.0.1:{port}")
-        env = service_env(services["coordinator"], stack_certs)
         url = f"rediss+sentinel://{','.join(sentinels)}/unicron"
-        config = CoordinatorConfig(
-            redis_url=url,
-            tls_ca=env["UNICRON_COORDINATOR_TLS_CA"],
-            tls_cert=env["UNICRON_COORDINATOR_TLS_CERT"],
-            tls_key=env["UNICRON_COORDINATOR_TLS_KEY"],
-            tokens_file=env["UNICRON_COORDINATOR_TOKENS_FILE"],
-        )
+        config = coordinator_config(service_env(services["coordinator"], stack_certs), url)
         deadline = time.monotonic() + 30
         problem: str | None = "not asked"
         while problem is not None:
