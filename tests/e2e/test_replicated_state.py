@@ -17,6 +17,8 @@ from unicron.v1 import common_pb2
 from unicron_dev.acked_writes import WriteProbe
 from unicron_dev.localcluster import LocalCluster, tiny_gpt
 
+pytestmark = pytest.mark.e2e
+
 ITERATIONS = 120
 
 
