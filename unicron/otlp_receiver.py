@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
 import threading
 from collections.abc import Sequence
@@ -29,6 +28,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from opentelemetry.proto.common.v1 import common_pb2
 from opentelemetry.proto.trace.v1 import trace_pb2
 
+from unicron import signals
 from unicron.errors import InvalidArgument
 from unicron.security.tls import TLS, load_tls
 
@@ -201,8 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         flush=True,
     )
     done = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: done.set())
-    signal.signal(signal.SIGINT, lambda *_: done.set())
+    signals.stop_on_signals(done)
     while not done.wait(1.0):
         pass
     if web is not None:

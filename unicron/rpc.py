@@ -311,9 +311,13 @@ class Server:
         self._terminated.set()
 
     def install_signal_handlers(self) -> None:
+        # Off the main thread, as in unicron.signals: a handler may run inside a held lock.
         def handle(signum: int, _frame: Any) -> None:
-            log.info("received %s, shutting down", signal.Signals(signum).name)
-            threading.Thread(target=self.stop, name="shutdown", daemon=True).start()
+            def stop() -> None:
+                log.info("received %s, shutting down", signal.Signals(signum).name)
+                self.stop()
+
+            threading.Thread(target=stop, name="shutdown", daemon=True).start()
 
         signal.signal(signal.SIGTERM, handle)
         signal.signal(signal.SIGINT, handle)

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-from unicron import redisutil, rpc
+from unicron import redisutil, rpc, signals
 from unicron.config import load_config
 from unicron.errors import UnicronError
 from unicron.logs import setup_logging
@@ -144,13 +144,9 @@ def run_server(
     setup_telemetry(name)
     stopping = threading.Event()
     if prepare is not None or dependencies is not None:
-
-        def stop_preparing(signum: int, _frame: Any) -> None:
-            log.info("received %s, shutting down", signal.Signals(signum).name)
-            stopping.set()
-
-        signal.signal(signal.SIGTERM, stop_preparing)
-        signal.signal(signal.SIGINT, stop_preparing)
+        signals.stop_on_signals(
+            stopping, lambda signum: log.info("received %s, shutting down", signal.Signals(signum).name)
+        )
     if dependencies is not None:
         timeout_s = dependency_timeout_s()
         missing = wait_for(dependencies(config), timeout_s, stopping)

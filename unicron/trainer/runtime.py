@@ -38,7 +38,7 @@ from typing import Any, Protocol
 
 from google.protobuf import json_format
 
-from unicron import timeouts
+from unicron import signals, timeouts
 from unicron.config import load_config
 from unicron.failures import GROUP_SYMPTOMS, classify_exception, kind_name
 from unicron.faults import parse_fault
@@ -189,10 +189,7 @@ def attach(argv: list[str] | None = None) -> Run:
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     stop = threading.Event()
 
-    def on_sigterm(_signum: int, _frame: Any) -> None:
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_sigterm)
+    signal.signal(signal.SIGTERM, signals.setting(stop))
     hello = trainer_service_pb2.TrainerHello(
         job_id=config.job_id, generation=config.generation, rank=config.rank, pid=os.getpid()
     )
