@@ -130,7 +130,12 @@ class Agent:
             reaches_peers=lambda key: not self._check_peers(key)[0],
         )
         self.client = CoordinatorClient(
-            settings.node_id, coordinator_address, security, self._registration, lambda c: self.executor.execute(c)
+            settings.node_id,
+            coordinator_address,
+            security,
+            self._registration,
+            lambda c: self.executor.execute(c),
+            lambda strays: self.executor.kill_strays(strays),
         )
         self.executor = CommandExecutor(
             Parts(
@@ -216,6 +221,10 @@ class Agent:
             failure_domain=self.settings.failure_domain,
             fault_injection=self.settings.fault_injection,
             image=self.settings.image,
+            running=[
+                pb.JobGeneration(job_id=job_id, generation=generation)
+                for job_id, generation in sorted({(k.job_id, k.generation) for k in self.supervisor.running()})
+            ],
         )
 
     # ---- detectors --------------------------------------------------------------------

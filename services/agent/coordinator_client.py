@@ -49,9 +49,11 @@ class CoordinatorClient:
         security: ClientSecurity | None,
         registration: Callable[[], pb.RegisterNodeRequest],
         on_command: Callable[[pb.NodeCommand], None],
+        on_strays: Callable[[list[pb.JobGeneration]], None] | None = None,
     ) -> None:
         """`registration()`: what to register with (asked each time, as the agent's address
-        is known only once it serves); `on_command` runs each command, in order."""
+        is known only once it serves); `on_command` runs each command, in order;
+        `on_strays` kills what the coordinator says, at a registration, it no longer runs."""
         self.node_id = node_id
         self.stub = node_service_pb2_grpc.NodeServiceStub(rpc.channel(coordinator_address, security))
         # Heartbeats on a connection of their own: behind reports and commands, a segment
@@ -62,6 +64,7 @@ class CoordinatorClient:
         )
         self._registration = registration
         self._on_command = on_command
+        self._on_strays = on_strays
         self._stop = threading.Event()
         self.registered = threading.Event()
         self._heartbeat_s = 1.0
@@ -161,6 +164,10 @@ class CoordinatorClient:
         self._heartbeat_s = reply.heartbeat_interval_seconds or 1.0
         if not self._command_cursor:
             self._command_cursor = reply.last_command_id
+        if reply.strays and self._on_strays is not None:
+            # Before `registered` lets the command stream go on: a newer generation's start
+            # must not find the written-off ranks still alive.
+            self._on_strays(list(reply.strays))
         self.registered.set()
         log.info("registered with coordinator", extra={"node_id": self.node_id, "slots": request.slots})
 

@@ -72,6 +72,18 @@ class CommandExecutor:
         else:
             log.warning("ignoring unknown command", extra={"command_id": command.command_id})
 
+    def kill_strays(self, strays: list[pb.JobGeneration]) -> None:
+        """Kills the generations the coordinator said, at registration, it no longer runs on
+        this node (it wrote them off while the node was LOST). No ack: no command asked."""
+        p = self._p
+        for stray in strays:
+            p.watch.forget(stray.job_id, stray.generation)
+            killed = p.supervisor.kill(stray.job_id, stray.generation)
+            log.warning(
+                "killed ranks the coordinator wrote off",
+                extra={"job_id": stray.job_id, "generation": stray.generation, "ranks": [k.rank for k in killed]},
+            )
+
     def _stop(self, command: pb.NodeCommand, stop: pb.StopWorkers) -> None:
         p = self._p
         log.info("stopping job", extra={"job_id": stop.job_id, "reason": stop.reason, "generation": stop.generation})

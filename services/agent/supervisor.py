@@ -348,6 +348,23 @@ class Supervisor:
                 log.warning("trainer ignored SIGTERM, killing", extra={"job_id": key.job_id, "rank": key.rank})
                 _signal_group(proc, signal.SIGKILL)
 
+    def kill(self, job_id: str, generation: int, wait_s: float = 5.0) -> list[WorkerKey]:
+        """SIGKILLs the trainers of exactly this generation of the job, with no grace: ranks
+        the coordinator wrote off must not write one more checkpoint beside their successors.
+        Waits up to `wait_s` for them to end; returns whom it killed."""
+        with self._lock:
+            targets = {k: w.proc for k, w in self._workers.items() if k.job_id == job_id and k.generation == generation}
+            self._stopping.update(targets)
+        for proc in targets.values():
+            _signal_group(proc, signal.SIGKILL)
+        deadline = time.monotonic() + wait_s
+        for proc in targets.values():
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("a killed trainer has not ended yet", extra={"job_id": job_id, "pid": proc.pid})
+        return list(targets)
+
 
 def _signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
     try:

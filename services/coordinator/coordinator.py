@@ -14,7 +14,7 @@ owns it (docs/architecture.md: the coordinator's parts):
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 
 from services.coordinator.command_feed import CommandStream
 from services.coordinator.context import Context, Settings
@@ -139,6 +139,11 @@ class Coordinator:
         image: str = "",
     ) -> tuple[common_pb2.Node, str]:
         return self.registry.register(node_id, address, slots, failure_domain, fault_injection, image)
+
+    def strays(
+        self, node_id: str, running: Iterable[node_service_pb2.JobGeneration]
+    ) -> list[node_service_pb2.JobGeneration]:
+        return self.registry.strays(node_id, running)
 
     def heartbeat(self, node_id: str) -> bool:
         return self.registry.heartbeat(node_id)

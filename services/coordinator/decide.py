@@ -27,6 +27,32 @@ def lost_nodes(
     ]
 
 
+# The worker states in which the node's ranks of that generation are meant to be alive, or
+# are being stopped by a command already in the node's log.
+_KEPT_WORKER_STATES = frozenset(
+    {state.WORKER_STARTING, state.WORKER_LAUNCHED, state.WORKER_RUNNING, state.WORKER_STOPPING}
+)
+
+
+def is_stray(node_id: str, job: common_pb2.Job | None, generation: int) -> bool:
+    """Whether ranks of `job`'s `generation` alive on `node_id` run without the coordinator:
+    the job is gone or over, or no worker of that generation on the node is alive or being
+    stopped in its records (a node declared LOST has its workers written off without a
+    command, and its job moved on). A start or reform of a newer generation still waiting
+    for this node's acknowledgement takes the ranks over itself: those are not stray."""
+    if job is None or state.is_terminal(job.state):
+        return True
+    current = job.assignment.generation
+    for worker in job.workers:
+        if worker.node_id != node_id:
+            continue
+        if worker.generation == generation and worker.state in _KEPT_WORKER_STATES:
+            return False
+        if worker.generation == current > generation and worker.state == state.WORKER_STARTING:
+            return False
+    return True
+
+
 def nodes_of(job: common_pb2.Job) -> list[str]:
     return [w.node_id for w in job.assignment.workers if w.ranks]
 

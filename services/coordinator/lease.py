@@ -285,11 +285,18 @@ class LeaseKeeper:
         self.last_renewed_at = lease.acquired_at
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._lost_once = threading.Lock()
+        self._lost_said = False
 
     def start(self) -> None:
         self.last_renewed_at = self.lease.acquired_at
         self._thread = threading.Thread(target=self._run, name="lease", daemon=True)
         self._thread.start()
+        # A renewal can block far past the lease (a Sentinel client rediscovering the master
+        # behind a partition took 10 s): the holder must stop when the lease can no longer
+        # be trusted, not when Redis answers. Seen: a cut-off coordinator still answered
+        # heartbeats 3.4 s after a standby took over, and the standby declared those nodes lost.
+        threading.Thread(target=self._watch, name="lease-watchdog", daemon=True).start()
 
     def stop(self) -> None:
         self._stop.set()
@@ -320,6 +327,24 @@ class LeaseKeeper:
             if self._stop.is_set():
                 return
             if decision.step_down:
-                self.on_lost(decision.reason)
+                self._lose(decision.reason)
                 return
             wait_s = decision.wait_s
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            now = self.lease.clock()
+            decision = after_renewal(Renewal.UNREACHABLE, now, self.last_renewed_at, self.lease.ttl_s)
+            if decision.step_down:
+                ttl = self.lease.ttl_s
+                self._lose(f"no renewal answered for {now - self.last_renewed_at:.1f}s (lease TTL {ttl:g}s)")
+                return
+            self._stop.wait(trusted_until(self.last_renewed_at, self.lease.ttl_s) - now)
+
+    def _lose(self, reason: str) -> None:
+        """`on_lost`, once, from whichever thread sees it first."""
+        with self._lost_once:
+            if self._lost_said or self._stop.is_set():
+                return
+            self._lost_said = True
+        self.on_lost(reason)

@@ -14,7 +14,7 @@ from services.coordinator.command_feed import CommandFeed, CommandStream
 from services.coordinator.context import Context
 from services.coordinator.store import valid_stream_id
 from unicron.errors import AlreadyExists, InvalidArgument, NotFound
-from unicron.v1 import common_pb2
+from unicron.v1 import common_pb2, node_service_pb2
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +135,30 @@ class NodeRegistry:
         if previous is None or previous.state != common_pb2.NODE_STATE_READY or previous.slots != slots:
             self._joined(f"node {node_id} joined")
         return node, last_command
+
+    def strays(
+        self, node_id: str, running: Iterable[node_service_pb2.JobGeneration]
+    ) -> list[node_service_pb2.JobGeneration]:
+        """Of the generations a registering node says it runs, those the coordinator no
+        longer runs there (`decide.is_stray`): the node must kill them before anything else."""
+        jobs: dict[str, common_pb2.Job | None] = {}
+        found = []
+        for index, item in enumerate(running):
+            if not item.job_id:
+                raise InvalidArgument(f"running[{index}].job_id", "is required")
+            if item.job_id not in jobs:
+                try:
+                    jobs[item.job_id] = self._ctx.store.get_job(item.job_id)
+                except NotFound:
+                    jobs[item.job_id] = None
+            if decide.is_stray(node_id, jobs[item.job_id], item.generation):
+                found.append(item)
+        if found:
+            log.warning(
+                "a registering node runs ranks written off: it kills them",
+                extra={"node_id": node_id, "strays": [f"{item.job_id}@{item.generation}" for item in found]},
+            )
+        return found
 
     def _nodes_lazily(self) -> Iterator[common_pb2.Node]:
         """`nodes()`, listed only once iterated."""

@@ -152,10 +152,14 @@ class NodeServicer(node_service_pb2_grpc.NodeServiceServicer):
             request.fault_injection,
             request.image,
         )
+        # After the node is stored: a generation started on it from now on is a command in
+        # its log, and the records this reads already show it.
+        strays = await to_thread(self._coordinator.strays, request.node_id, request.running)
         return nodes_pb.RegisterNodeResponse(
             node=node,
             heartbeat_interval_seconds=self._coordinator.settings.heartbeat_interval_s,
             last_command_id=last_command,
+            strays=strays,
         )
 
     @grpc_errors

@@ -125,9 +125,7 @@ def test_no_acknowledged_write_is_lost_and_the_job_ends_exact(
         restarted=",".join(restarted) or "-",
     )
     print(f"{fault}: refused because {probe.refusals}")
-    if watch.doubled:
-        # Found by this check (2026-12-07, once in the clean-clone CI, the partition): an agent
-        # that re-registered with the new coordinator kept a survivor of the old generation
-        # running (49 s) while the new generation ran on the other node. Not fixed yet: said
-        # here, and in docs/cluster-tests.md, rather than passed over.
-        pytest.xfail(f"known: a rank alive under two generations ({len(watch.doubled)} samples): {watch.doubled[0]}")
+    # Found by this check once (a partition: the standby declared a node LOST while the cut-off
+    # coordinator still answered its heartbeats; the node came back with the old generation's
+    # rank alive). Agents now kill what the coordinator wrote off when they register again.
+    assert not watch.doubled, f"a rank alive under two generations ({len(watch.doubled)} samples): {watch.doubled[0]}"

@@ -15,8 +15,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
+from services.agent.supervisor import REGISTRY_FILE
 from services.coordinator import decide
 from tests.e2e.conftest import running, wait_for
 from tests.e2e.healing import healed, incident_ids, inject, newest_incident, trains_on
@@ -245,3 +247,48 @@ def test_a_coordinator_killed_mid_transition_finishes_it_after_a_restart(cluster
     assert after.remedies[-1].HasField("resumed")
     assert incident.HasField("resumed")
     assert sorted(j.spec.name for j in jobs) == sorted([HEAVY, LIGHT])  # nothing lost or duplicated
+
+
+def alive_generations(cluster: LocalCluster, node_id: str, job_id: str) -> set[int]:
+    """The generations of the job whose trainers on the node are alive, by its agent's registry."""
+    registry = cluster.run_dir / "agents" / node_id / REGISTRY_FILE
+    try:
+        entries = json.loads(registry.read_text())
+    except (OSError, ValueError):
+        return set()
+    return {e["generation"] for e in entries if e["job_id"] == job_id and psutil.pid_exists(e["pid"])}
+
+
+def test_an_agent_back_from_lost_kills_the_ranks_written_off(cluster: LocalCluster) -> None:
+    """An agent silent past the heartbeat timeout (paused: its trainers live on) is declared
+    LOST and its job moves on without it; when it comes back it must not keep the old
+    generation's rank running beside the new one (found by the Sentinel partition test)."""
+    with cluster.client() as client:
+        heavy = trains_on(client, HEAVY, timeout_s=180)
+        victim = heavy.assignment.workers[0].node_id
+        assert alive_generations(cluster, victim, heavy.job_id) == {heavy.assignment.generation}
+        log = cluster.service(victim).log_path
+        registrations = log.read_text().count("registered with coordinator")
+        cluster.kill(victim, signal.SIGSTOP)
+        try:
+            moved = wait_for(
+                client,
+                HEAVY,
+                lambda j: j.assignment.generation > heavy.assignment.generation and victim not in decide.nodes_of(j),
+                "never moved off the silent node",
+                timeout_s=60,
+            )
+            assert heavy.assignment.generation in alive_generations(cluster, victim, heavy.job_id)
+        finally:
+            cluster.kill(victim, signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        while log.read_text().count("registered with coordinator") == registrations:
+            assert time.monotonic() < deadline, "the agent never registered again"
+            time.sleep(0.1)
+        # Killed before the agent takes a command (SIGKILL, no grace): well inside a second.
+        time.sleep(1.0)
+        assert alive_generations(cluster, victim, heavy.job_id) == set(), "a written-off rank still runs"
+        assert "killed ranks the coordinator wrote off" in log.read_text()
+        trains_on(client, HEAVY, timeout_s=180)
+        cluster.wait_nodes(client.nodes, 3)
+    assert moved.assignment.generation > heavy.assignment.generation

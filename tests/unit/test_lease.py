@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import redis
@@ -163,3 +164,41 @@ def test_target(address: str, target: str) -> None:
 def test_bad_target(address: str) -> None:
     with pytest.raises(errors.InvalidArgument):
         rpc.target(address)
+
+
+class BlockedLease:
+    """A lease whose renewals never answer (a Redis client stuck rediscovering a master)."""
+
+    def __init__(self, ttl_s: float) -> None:
+        self.ttl_s = ttl_s
+        self.clock = time.monotonic
+        self.acquired_at = time.monotonic()
+        self.lost = threading.Event()
+        self.released = threading.Event()
+
+    def renew(self) -> bool:
+        self.released.wait(30)
+        return True
+
+
+def test_a_renewal_that_never_answers_stops_the_holder_when_the_lease_ends() -> None:
+    lease = BlockedLease(ttl_s=0.6)
+    lost: list[str] = []
+    said = threading.Event()
+
+    def on_lost(why: str) -> None:
+        lost.append(why)
+        said.set()
+
+    keeper = LeaseKeeper(lease, on_lost=on_lost)  # type: ignore[arg-type]
+    keeper.start()
+    try:
+        assert said.wait(5.0), "the holder kept acting while its renewal hung"
+        waited = time.monotonic() - lease.acquired_at
+        assert 0.5 <= waited < 2.0, waited
+        assert lost == [lost[0]] and "no renewal answered" in lost[0], lost
+    finally:
+        lease.released.set()
+        keeper.stop()
+    time.sleep(0.1)
+    assert len(lost) == 1  # the renewal that answered late says nothing more
