@@ -309,6 +309,16 @@ def iterate(coordinator: Coordinator, job: pb.Job, iteration: int, ranks: range)
         )
 
 
+def fall_silent(coordinator: Coordinator, clock: Clock, silent: str, nodes: tuple[str, ...]) -> None:
+    """Four seconds in which every node but `silent` beats: past the heartbeat timeout."""
+    for _ in range(4):
+        clock.now += 1.0
+        for node_id in nodes:
+            if node_id != silent:
+                coordinator.heartbeat(node_id)
+        coordinator.reconcile_once()
+
+
 def test_a_job_is_placed_runs_and_heals_without_redis(cluster: tuple[Coordinator, MemoryStore, Clock]) -> None:
     coordinator, store, clock = cluster
     job = submit_and_place(coordinator)
@@ -343,12 +353,7 @@ def test_a_lost_node_is_replanned_away_without_redis(cluster: tuple[Coordinator,
     job = submit_and_place(coordinator)
     iterate(coordinator, job, 1, range(2))
     lost = job.assignment.workers[0].node_id
-    for _ in range(4):
-        clock.now += 1.0
-        for node_id in ("n1", "n2", "n3"):
-            if node_id != lost:
-                coordinator.heartbeat(node_id)
-        coordinator.reconcile_once()
+    fall_silent(coordinator, clock, lost, ("n1", "n2", "n3"))
     moved = coordinator.get(job.job_id)
     assert lost not in decide.nodes_of(moved) and moved.assignment.world_size == 2
     assert moved.state == state.RECOVERING and moved.assignment.generation > job.assignment.generation

@@ -7,7 +7,7 @@ import pytest
 from services.coordinator import decide, state
 from services.coordinator.coordinator import Coordinator, Settings
 from services.coordinator.memory_store import MemoryStore
-from tests.unit.test_coordinator_core import Clock, InProcessPlanner, iterate, submit_and_place
+from tests.unit.test_coordinator_core import Clock, InProcessPlanner, fall_silent, iterate, submit_and_place
 from unicron import errors
 from unicron.v1 import common_pb2 as pb
 from unicron.v1 import node_service_pb2
@@ -59,12 +59,7 @@ def test_a_node_back_from_lost_is_told_to_kill_what_was_written_off() -> None:
     lost = job.assignment.workers[0].node_id
     kept = job.assignment.workers[1].node_id
     assert coordinator.strays(lost, running(job, 1)) == []  # while it is alive, its ranks are the job's
-    for _ in range(4):
-        clock.now += 1.0
-        for node_id in ("n1", "n2", "n3"):
-            if node_id != lost:
-                coordinator.heartbeat(node_id)
-        coordinator.reconcile_once()
+    fall_silent(coordinator, clock, lost, ("n1", "n2", "n3"))
     moved = coordinator.get(job.job_id)
     assert lost not in decide.nodes_of(moved) and moved.assignment.generation > 1
     # The node comes back with its rank of generation 1 alive: nobody will stop it but itself.
