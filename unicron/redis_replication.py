@@ -92,13 +92,19 @@ def _address(entry: str, url: str) -> tuple[str, int]:
 
 
 # A replica the sentinels have not heard from for this long (or never: an old primary just
-# listed as a replica of the new one) is not waited for, declared down or not yet.
-REPLICA_SILENT_MS = 3000
+# listed as a replica of the new one) is not waited for, declared down or not yet. Sentinels
+# ask replicas for INFO only every 10 s while the primary is well (SENTINEL_INFO_PERIOD), so a
+# healthy replica's `info-refresh` runs up to 10 s: at 3 s, most writes waited for one
+# replica while two were up, and a promotion of the other lost them (the flapping link lost 15
+# and 16 acknowledged writes in 15 and 10 repeats of bench-failover; the promoted replica was
+# 11 KB behind the one that had acknowledged them).
+REPLICA_SILENT_MS = 15_000
 
 
 def _up(replica: dict[str, Any]) -> bool:
-    """Whether a sentinel holds a replica to be up: not declared down, and heard from lately."""
-    if replica.get("is_sdown") or replica.get("is_odown"):
+    """Whether a sentinel holds a replica to be up, so that it may promote it: not declared
+    down, its link not broken, and heard from lately."""
+    if replica.get("is_sdown") or replica.get("is_odown") or replica.get("is_disconnected"):
         return False
     return int(replica.get("info-refresh", 0)) < REPLICA_SILENT_MS
 
@@ -112,7 +118,7 @@ class SentinelView:
     sentinels name it. Writes acknowledged in either window are lost. So a write counts only
     when a majority of the sentinels answers and the one with the newest configuration (the
     highest config epoch: it names a promoted replica as soon as the promotion is confirmed)
-    names the server written to, and when every replica that sentinel holds to be up has the
+    names the server written to, and when every replica any sentinel holds to be up has the
     write: a replica that left without being declared down is one being promoted. Each
     answer is kept `ttl_s`: a dead replica stops being waited for once the sentinels declare
     it down (their down-after time), plus that."""
@@ -127,11 +133,11 @@ class SentinelView:
 
     def _ask(self) -> tuple[tuple[str, int] | None, int, int]:
         """The primary the sentinel with the newest configuration (the highest config epoch)
-        names, how many sentinels answered, and the replicas that one holds to be up. A
+        names, how many sentinels answered, and the most replicas any of them holds to be up. A
         sentinel that has not heard of a failover yet names the old primary under an older
         epoch: it is outvoted, not waited for."""
-        best: tuple[int, tuple[str, int], int] | None = None
-        answered = 0
+        best: tuple[int, tuple[str, int]] | None = None
+        answered = up_most = 0
         for sentinel in self._sentinels:
             try:
                 where = sentinel.sentinel_get_master_addr_by_name(self.url.master)
@@ -143,13 +149,15 @@ class SentinelView:
                 continue
             answered += 1
             address = (where[0].decode() if isinstance(where[0], bytes) else str(where[0]), int(where[1]))
-            up = sum(1 for r in known if _up(r))
+            # The most any sentinel holds up: whichever leads a failover promotes from its own
+            # view, which need not be the newest-epoch one's.
+            up_most = max(up_most, sum(1 for r in known if _up(r)))
             epoch = int(state.get("config-epoch", 0))
             if best is None or epoch > best[0]:
-                best = (epoch, address, up)
+                best = (epoch, address)
         if best is None:
             return None, 0, 0
-        return best[1], answered, best[2]
+        return best[1], answered, up_most
 
     def answer(self) -> tuple[tuple[str, int] | None, int, int]:
         with self._lock:

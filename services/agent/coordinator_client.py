@@ -33,6 +33,11 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 RPC_TIMEOUT_S = 5.0
+# How long a failure report is retried: through any control-plane failover (a Sentinel
+# partition kept every coordinator from acting for up to 16 s, and the default 30 s left too
+# little margin behind a coordinator that hangs each call to its 5 s timeout). The
+# coordinator drops a report about a generation that is over, so a late one is harmless.
+URGENT_DEADLINE_S = 300.0
 REPORT_BATCH_S = 0.2
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED}
 
@@ -267,7 +272,7 @@ class CoordinatorClient:
                 what, fn = self._urgent.get(timeout=0.5)
             except queue.Empty:
                 continue
-            self.send(what, fn)
+            self.send(what, fn, URGENT_DEADLINE_S)
 
     def _report_loop(self) -> None:
         while not self._stop.is_set():

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from services.coordinator.__main__ import CoordinatorConfig
+from unicron import redis_replication
 from unicron.errors import InvalidArgument
 from unicron.redis_replication import (
     SentinelURL,
@@ -116,3 +117,17 @@ def test_passwords_never_reach_a_log() -> None:
     assert redacted("redis://:secret@h:1/0") == "redis://:***@h:1/0"
     assert redacted("rediss+sentinel://u:secret@a:1,b:2/m") == "rediss+sentinel://u:***@a:1,b:2/m"
     assert redacted("redis://h:1/0") == "redis://h:1/0"
+
+
+@pytest.mark.parametrize(
+    ("replica", "up"),
+    [
+        ({"info-refresh": 9_500}, True),  # healthy: sentinels ask for INFO every 10 s
+        ({"info-refresh": 400, "is_sdown": True}, False),
+        ({"info-refresh": 400, "is_odown": True}, False),
+        ({"info-refresh": 400, "is_disconnected": True}, False),
+        ({"info-refresh": 1_765_000_000_000}, False),  # never heard: an old primary just listed
+    ],
+)
+def test_which_replicas_a_write_waits_for(replica: dict[str, object], up: bool) -> None:
+    assert redis_replication._up(replica) is up
