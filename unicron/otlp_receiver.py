@@ -201,7 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         flush=True,
     )
     done = threading.Event()
-    signals.stop_on_signals(done)
+    signals.stop_on_signals(lambda _signum: done.set())
     while not done.wait(1.0):
         pass
     if web is not None:

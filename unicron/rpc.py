@@ -20,7 +20,7 @@ from grpc_health.v1 import _async as health_async
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from unicron import errors, telemetry
+from unicron import errors, signals, telemetry
 from unicron.security import (
     DEFAULT_MAX_MESSAGE_BYTES,
     AsyncGuard,
@@ -311,16 +311,11 @@ class Server:
         self._terminated.set()
 
     def install_signal_handlers(self) -> None:
-        # Off the main thread, as in unicron.signals: a handler may run inside a held lock.
-        def handle(signum: int, _frame: Any) -> None:
-            def stop() -> None:
-                log.info("received %s, shutting down", signal.Signals(signum).name)
-                self.stop()
+        def stop(signum: int) -> None:
+            log.info("received %s, shutting down", signal.Signals(signum).name)
+            self.stop()
 
-            threading.Thread(target=stop, name="shutdown", daemon=True).start()
-
-        signal.signal(signal.SIGTERM, handle)
-        signal.signal(signal.SIGINT, handle)
+        signals.stop_on_signals(stop)
 
     def wait(self) -> None:
         if self._loop is None:

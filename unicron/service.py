@@ -144,9 +144,12 @@ def run_server(
     setup_telemetry(name)
     stopping = threading.Event()
     if prepare is not None or dependencies is not None:
-        signals.stop_on_signals(
-            stopping, lambda signum: log.info("received %s, shutting down", signal.Signals(signum).name)
-        )
+
+        def stop_preparing(signum: int) -> None:
+            log.info("received %s, shutting down", signal.Signals(signum).name)
+            stopping.set()
+
+        signals.stop_on_signals(stop_preparing)
     if dependencies is not None:
         timeout_s = dependency_timeout_s()
         missing = wait_for(dependencies(config), timeout_s, stopping)

@@ -11,9 +11,14 @@ def test_the_handler_sets_the_event_while_its_lock_is_held() -> None:
     # holds the event's (non-reentrant) lock. Setting it there would hang this test forever.
     event = threading.Event()
     called: list[int] = []
-    handler = signals.setting(event, called.append)
+
+    def action(signum: int) -> None:
+        called.append(signum)
+        event.set()
+
+    handle = signals.handler(action)
     with event._cond:  # type: ignore[attr-defined]
-        handler(signal.SIGTERM, None)
+        handle(signal.SIGTERM, None)
         assert not event.is_set()
     assert event.wait(5.0)
     assert called == [signal.SIGTERM]
@@ -24,7 +29,7 @@ def test_sigterm_and_sigint_both_stop() -> None:
     try:
         for signum in (signal.SIGTERM, signal.SIGINT):
             event = threading.Event()
-            signals.stop_on_signals(event)
+            signals.stop_on_signals(lambda _signum: event.set())  # noqa: B023 (waited for below)
             signal.raise_signal(signum)
             assert event.wait(5.0)
     finally:

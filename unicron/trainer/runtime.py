@@ -189,7 +189,7 @@ def attach(argv: list[str] | None = None) -> Run:
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     stop = threading.Event()
 
-    signal.signal(signal.SIGTERM, signals.setting(stop))
+    signal.signal(signal.SIGTERM, signals.handler(lambda _signum: stop.set()))
     hello = trainer_service_pb2.TrainerHello(
         job_id=config.job_id, generation=config.generation, rank=config.rank, pid=os.getpid()
     )
